@@ -1,0 +1,3 @@
+from smshim.cli import main
+
+main()

@@ -1,0 +1,99 @@
+"""The `smdistributed` import alias.
+
+Installing smshim puts `smshim_alias.pth` into site-packages; Python runs it at start-up and it
+imports this module, which puts a finder at the front of `sys.meta_path`. The finder answers for
+`smdistributed` and every `smdistributed.<x>` by importing `smshim.<x>` and handing back that very
+module object, so `smdistributed.modelparallel.torch is smshim.modelparallel.torch` (one set of
+globals, one `smp.state`), and `importlib.util.find_spec("smdistributed")` finds it (Hugging Face
+detects the library that way).
+
+A genuine `smdistributed` (SageMaker's containers ship one) always wins: before aliasing the top
+level, the finder asks the normal path finder, and if a real package is there it steps aside and
+logs a warning saying so. `SMSHIM_ALIAS=force` uses smshim anyway (warning), `SMSHIM_ALIAS=0`
+turns the alias off. The finder sits first because submodules of an aliased package would
+otherwise be found a second time, under the other name, by the normal path finder.
+
+This module runs at every interpreter start: it must stay cheap and import nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from types import ModuleType
+
+ALIAS = "smdistributed"
+TARGET = "smshim"
+
+logger = logging.getLogger(__name__)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._target_spec = None
+
+    def create_module(self, spec):
+        module = importlib.import_module(self._target)
+        self._target_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The import system stamped the alias spec on the shared module object; give the module
+        # back its own spec so `smshim.x` keeps working as itself (reload, pickling, find_spec).
+        module.__spec__ = self._target_spec
+
+
+class SmdistributedAliasFinder(importlib.abc.MetaPathFinder):
+    """Maps `smdistributed[.x]` to `smshim[.x]` unless a genuine smdistributed is installed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
+            return None
+        mode = os.environ.get("SMSHIM_ALIAS", "auto").lower()
+        if mode in ("0", "off", "false", "no"):
+            return None
+        if fullname == ALIAS:
+            if mode != "force":
+                genuine = importlib.machinery.PathFinder.find_spec(ALIAS)
+                if genuine is not None:
+                    logger.warning(
+                        "a genuine smdistributed is installed at %s; smshim does not shadow it. "
+                        "Set SMSHIM_ALIAS=force to use smshim instead.",
+                        genuine.origin or list(genuine.submodule_search_locations or []),
+                    )
+                    return None
+            elif importlib.machinery.PathFinder.find_spec(ALIAS) is not None:
+                logger.warning("SMSHIM_ALIAS=force: smshim shadows the installed smdistributed")
+        else:
+            # Only alias submodules of our own alias; a genuine parent keeps its own children.
+            parent = sys.modules.get(ALIAS)
+            if parent is None or parent is not sys.modules.get(TARGET):
+                return None
+        target_name = TARGET + fullname[len(ALIAS):]
+        try:
+            target_spec = importlib.util.find_spec(target_name)
+        except ModuleNotFoundError:
+            return None
+        if target_spec is None:
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname,
+            _AliasLoader(target_name),
+            origin=target_spec.origin,
+            is_package=target_spec.submodule_search_locations is not None,
+        )
+
+
+def install() -> None:
+    """Put the finder first on sys.meta_path (idempotent)."""
+    if not any(isinstance(f, SmdistributedAliasFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, SmdistributedAliasFinder())
+
+
+install()

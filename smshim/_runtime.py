@@ -1,0 +1,190 @@
+"""Runtime bring-up shared by the data-parallel and model-parallel libraries.
+
+Answers three questions for a process, from its environment only:
+  * how was it launched (torchrun, Open MPI, MPICH/Hydra, SageMaker, or a plain process)?
+  * what are its rank, world size, local rank and local size?
+  * where is the rendezvous (MASTER_ADDR/MASTER_PORT)?
+and brings up the default torch.distributed process group with the right backend (NCCL with one
+device per local rank when CUDA is there, gloo otherwise) and a timeout on every collective.
+
+Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0 starts the TCPStore on a port the OS picks
+and shares the port over MPI (mpi4py), so there is no race on a "free" port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as read from its launcher's environment."""
+
+    launcher: str  # "torchrun", "openmpi", "mpich", or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+
+    @property
+    def is_mpi(self) -> bool:
+        return self.launcher in ("openmpi", "mpich")
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def _sagemaker_master(env: Mapping[str, str]) -> Optional[str]:
+    """SageMaker lists the hosts in SM_HOSTS; the first is the master."""
+    hosts = env.get("SM_HOSTS")
+    if not hosts:
+        return None
+    try:
+        parsed = json.loads(hosts)
+    except json.JSONDecodeError:
+        raise ValueError(f"SM_HOSTS={hosts!r} is not a JSON list of host names") from None
+    if not isinstance(parsed, list) or not parsed:
+        raise ValueError(f"SM_HOSTS={hosts!r} must be a non-empty JSON list of host names")
+    return str(sorted(parsed)[0])
+
+
+def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """Read rank, sizes and rendezvous from the launcher's variables (first match wins)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher = "openmpi"
+        rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:
+        launcher = "mpich"
+        rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else rank
+        local_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size
+    else:
+        launcher, rank, size, local_rank, local_size = "single", 0, 1, 0, 1
+    if not (0 <= rank < size):
+        raise ValueError(f"{launcher} environment gives rank {rank} outside world size {size}")
+    addr = env.get("MASTER_ADDR") or _sagemaker_master(env)
+    port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
+    return LaunchInfo(launcher, rank, size, local_rank, local_size, addr, port)
+
+
+def timeout_seconds(env: Optional[Mapping[str, str]] = None) -> float:
+    """SMSHIM_TIMEOUT (seconds, default 1800): the bound on every collective and every wait."""
+    env = os.environ if env is None else env
+    raw = env.get("SMSHIM_TIMEOUT")
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"SMSHIM_TIMEOUT={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"SMSHIM_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+def timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_seconds())
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local GPU under NCCL, else the CPU."""
+    backend = dist.get_backend() if dist.is_initialized() else default_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mpi_share_port(info: LaunchInfo, tmo: datetime.timedelta) -> dist.Store:
+    """Rank 0 opens the store on an OS-chosen port; MPI carries (addr, port) to the others."""
+    from mpi4py import MPI  # only under mpirun: importing mpi4py initialises MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size or comm.Get_rank() != info.rank:
+        raise RuntimeError(
+            f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the environment says "
+            f"{info.rank} of {info.world_size}: mpi4py is linked to a different MPI than mpirun"
+        )
+    store = None
+    if info.rank == 0:
+        # All ranks on this host: loopback. Several hosts: this host's name, resolvable by the others.
+        host = "127.0.0.1" if info.local_size == info.world_size else socket.getfqdn()
+        store = dist.TCPStore("0.0.0.0", 0, info.world_size, is_master=True, timeout=tmo,
+                              wait_for_workers=False)
+        endpoint = (host, store.port)
+    else:
+        endpoint = None
+    host, port = comm.bcast(endpoint, root=0)
+    os.environ.setdefault("MASTER_ADDR", host)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if store is None:
+        store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=tmo)
+    return store
+
+
+def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
+    """Bring up the default process group once; later calls return the same LaunchInfo."""
+    info = detect_launch()
+    if dist.is_initialized():
+        return info
+    backend = backend or default_backend()
+    tmo = timeout()
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    if info.master_addr is not None and info.master_port is not None:
+        # torch's env:// rendezvous, which also knows torchrun's agent-hosted store.
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+        dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                world_size=info.world_size, timeout=tmo)
+    else:
+        if info.world_size == 1:
+            store = dist.HashStore()  # a lone process needs no network
+        elif info.is_mpi:
+            store = _mpi_share_port(info, tmo)
+        else:
+            raise RuntimeError(
+                f"rank {info.rank} of {info.world_size} ({info.launcher}): set MASTER_ADDR and "
+                "MASTER_PORT, or launch with torchrun, mpirun or `smshim run`"
+            )
+        dist.init_process_group(backend, store=store, rank=info.rank,
+                                world_size=info.world_size, timeout=tmo)
+    logger.info("rank %d/%d up (%s, %s backend)", info.rank, info.world_size, info.launcher, backend)
+    return info
+
+
+def free_port() -> int:
+    """A TCP port the OS reports free right now (for launchers that must choose one up front)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

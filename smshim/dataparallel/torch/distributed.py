@@ -1,0 +1,199 @@
+"""`smdistributed.dataparallel.torch.distributed`: the smddp function API on torch.distributed.
+
+Rank and size come from the launcher (torchrun, mpirun, `smshim run`); see smshim/_runtime.py.
+`group` arguments take `group.WORLD` (the documented value) or a group from `new_group`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as _dist
+
+from smshim import _runtime
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ReduceOp", "group", "is_available", "init_process_group", "is_initialized",
+    "get_world_size", "get_rank", "get_local_rank", "get_local_size", "all_reduce", "reduce",
+    "broadcast", "all_gather", "all_to_all_single", "barrier", "new_group",
+]
+
+
+class ReduceOp(enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+
+
+class group:  # noqa: N801  (smddp spells it this way: dist.group.WORLD)
+    WORLD = "smddp.group.WORLD"
+
+
+_TORCH_OPS = {
+    ReduceOp.SUM: _dist.ReduceOp.SUM,
+    ReduceOp.MIN: _dist.ReduceOp.MIN,
+    ReduceOp.MAX: _dist.ReduceOp.MAX,
+}
+
+
+def _pg(g: Any) -> Optional[_dist.ProcessGroup]:
+    """Our group argument as torch's: WORLD (or None) is the default group."""
+    if g is None or g is group.WORLD:
+        return None
+    if isinstance(g, _dist.ProcessGroup):
+        return g
+    raise TypeError(
+        f"group={g!r} is not a process group: pass dist.group.WORLD or a group from dist.new_group()"
+    )
+
+
+def _require_init(fn: str) -> None:
+    if not _dist.is_initialized():
+        raise RuntimeError(
+            f"smdistributed.dataparallel: {fn}() called before init_process_group() "
+            f"(rank {_runtime.detect_launch().rank})"
+        )
+
+
+def _op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if op == _dist.ReduceOp.AVG:  # accepted for drop-in ease (real smddp rejects it)
+        return ReduceOp.AVERAGE
+    for ours, theirs in _TORCH_OPS.items():
+        if op == theirs:
+            return ours
+    raise ValueError(f"op={op!r} is not supported: use ReduceOp.SUM, AVERAGE, MIN or MAX")
+
+
+class _AveragingWork:
+    """A work handle whose wait() also divides the summed result by the group size."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, n: int) -> None:
+        self._work, self._tensor, self._n, self._done = work, tensor, n, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+        if not self._done:
+            _divide(self._tensor, self._n)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success() if hasattr(self._work, "is_success") else True
+
+    def exception(self):
+        return self._work.exception() if hasattr(self._work, "exception") else None
+
+
+def _divide(tensor: torch.Tensor, n: int) -> None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        tensor.floor_divide_(n)
+
+
+def is_available() -> bool:
+    """True when this process was started as part of a distributed job."""
+    return _dist.is_available() and _runtime.detect_launch().launcher != "single"
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """Join the job's default group; arguments are accepted and ignored, as in smddp."""
+    if _dist.is_initialized():
+        logger.info("init_process_group: already initialised")
+        return
+    _runtime.init_distributed()
+
+
+def is_initialized() -> bool:
+    return _dist.is_initialized()
+
+
+def get_world_size(group: Any = group.WORLD) -> int:
+    _require_init("get_world_size")
+    return _dist.get_world_size(_pg(group))
+
+
+def get_rank(group: Any = group.WORLD) -> int:
+    _require_init("get_rank")
+    return _dist.get_rank(_pg(group))
+
+
+def get_local_rank() -> int:
+    return _runtime.detect_launch().local_rank
+
+
+def get_local_size() -> int:
+    return _runtime.detect_launch().local_size
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = group.WORLD,
+               async_op: bool = False):
+    _require_init("all_reduce")
+    pg, op = _pg(group), _op(op)
+    if op is not ReduceOp.AVERAGE:
+        return _dist.all_reduce(tensor, _TORCH_OPS[op], group=pg, async_op=async_op)
+    if _dist.get_backend(pg) == "nccl":
+        return _dist.all_reduce(tensor, _dist.ReduceOp.AVG, group=pg, async_op=async_op)
+    # gloo has no AVG: sum, then divide (after the wait when asynchronous).
+    n = _dist.get_world_size(pg)
+    work = _dist.all_reduce(tensor, _dist.ReduceOp.SUM, group=pg, async_op=async_op)
+    if async_op:
+        return _AveragingWork(work, tensor, n)
+    _divide(tensor, n)
+    return None
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = group.WORLD,
+           async_op: bool = False):
+    _require_init("reduce")
+    pg, op = _pg(group), _op(op)
+    if op is ReduceOp.AVERAGE:
+        if async_op:
+            raise ValueError("reduce with ReduceOp.AVERAGE and async_op=True is not supported")
+        _dist.reduce(tensor, dst, _dist.ReduceOp.SUM, group=pg)
+        if _dist.get_rank() == dst:
+            _divide(tensor, _dist.get_world_size(pg))
+        return None
+    return _dist.reduce(tensor, dst, _TORCH_OPS[op], group=pg, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = group.WORLD, async_op: bool = False):
+    _require_init("broadcast")
+    return _dist.broadcast(tensor, src, group=_pg(group), async_op=async_op)
+
+
+def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = group.WORLD,
+               async_op: bool = False):
+    _require_init("all_gather")
+    return _dist.all_gather(tensor_list, tensor, group=_pg(group), async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                      input_split_sizes=None, group: Any = group.WORLD, async_op: bool = False):
+    _require_init("all_to_all_single")
+    return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                   group=_pg(group), async_op=async_op)
+
+
+def barrier(group: Any = group.WORLD, async_op: bool = False):
+    _require_init("barrier")
+    return _dist.barrier(group=_pg(group), async_op=async_op)
+
+
+def new_group(ranks: Optional[List[int]] = None, **kwargs: Any):
+    _require_init("new_group")
+    return _dist.new_group(ranks, timeout=_runtime.timeout(), **kwargs)

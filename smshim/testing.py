@@ -1,0 +1,161 @@
+"""Run a function or a script in N gloo processes, with a hard deadline, and collect each rank's result.
+
+`run_ranks(fn, n, *args)` starts n processes with torchrun-style environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one thread each, and calls `fn(*args)` in
+each. It returns the list of return values, indexed by rank. If any rank raises, dies or the
+deadline passes, every process is killed and `RankFailure` is raised carrying the failing rank's
+traceback; nothing can hang the caller.
+
+`run_command(cmd, timeout)` runs a launcher command line (torchrun, mpirun, smshim run) in its own
+process group and kills the whole group on timeout.
+
+Processes come from a forkserver that has already imported torch, so each costs a fork instead
+of a fresh interpreter plus torch import (and no parent OpenMP state is inherited through fork).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from smshim._runtime import free_port
+
+DEFAULT_TIMEOUT_S = 120.0
+
+_ctx = None
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or did not finish in time; the message holds its traceback."""
+
+
+def _context():
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return _ctx
+
+
+def _child(fn: Callable, args: tuple, rank: int, env: Dict[str, str], results) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001  (everything must reach the parent)
+        results.put((rank, "error", traceback.format_exc()))
+        # Flush the queue's feeder thread, then leave without atexit handlers that could block
+        # on peers that are gone.
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: Optional[Mapping[str, str]] = None,
+    rank_env: Optional[Callable[[int], Mapping[str, str]]] = None,
+) -> List[Any]:
+    """Run `fn(*args)` on `nprocs` ranks; return each rank's value (picklable) in rank order."""
+    ctx = _context()
+    port = free_port()
+    results = ctx.Queue()
+    procs = []
+    for rank in range(nprocs):
+        e = {
+            "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", "SMSHIM_TIMEOUT": str(max(10, int(timeout // 2))),
+        }
+        e.update(env or {})
+        e.update(rank_env(rank) if rank_env else {})
+        p = ctx.Process(target=_child, args=(fn, args, rank, e, results), daemon=True)
+        p.start()
+        procs.append(p)
+
+    values: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < nprocs:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
+                if dead:
+                    # A rank that died without reporting (segfault, os._exit, killed).
+                    time.sleep(0.5)  # let a traceback that is in flight arrive first
+                    try:
+                        rank, status, value = results.get_nowait()
+                    except queue.Empty:
+                        r = dead[0]
+                        raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} "
+                                          "without reporting a result") from None
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(nprocs) if r not in values]
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s "
+                                      f"(world size {nprocs})")
+                else:
+                    continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {nprocs} failed:\n{value}")
+            values[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not p.exitcode else 0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [values[r] for r in range(nprocs)]
+
+
+def run_command(
+    cmd: Sequence[str],
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run a launcher command; kill its whole process group after `timeout` seconds.
+
+    With `check`, a non-zero exit raises `RankFailure` showing the command's output.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RankFailure(f"{' '.join(cmd)} did not finish within {timeout:.0f} s\n"
+                          f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-5000:]}") from None
+    result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise RankFailure(f"{' '.join(cmd)} exited with {proc.returncode}\n"
+                          f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-8000:]}")
+    return result
