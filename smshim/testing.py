@@ -96,6 +96,7 @@ def run_ranks(
 
     values: Dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    ok = False
     try:
         while len(values) < nprocs:
             try:
@@ -120,13 +121,15 @@ def run_ranks(
             if status == "error":
                 raise RankFailure(f"rank {rank} of {nprocs} failed:\n{value}")
             values[rank] = value
+        ok = True
     finally:
+        # After a failure the survivors may be blocked on the failed peer: kill them now.
         for p in procs:
-            p.join(timeout=5 if not p.exitcode else 0)
-        for p in procs:
+            if ok:
+                p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5)
         results.close()
     return [values[r] for r in range(nprocs)]
 
@@ -134,17 +137,22 @@ def run_ranks(
 def run_command(
     cmd: Sequence[str],
     timeout: float = DEFAULT_TIMEOUT_S,
-    env: Optional[Mapping[str, str]] = None,
+    env: Optional[Mapping[str, Optional[str]]] = None,
     cwd: Optional[str] = None,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run a launcher command; kill its whole process group after `timeout` seconds.
 
+    `env` is laid over this process's environment; a value of None removes the variable.
     With `check`, a non-zero exit raises `RankFailure` showing the command's output.
     """
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:

@@ -1,0 +1,82 @@
+"""The harness itself: a failing, dying or hanging rank fails the test, with the rank's traceback."""
+
+import os
+import time
+
+import pytest
+
+from smshim.testing import RankFailure, run_command, run_ranks
+
+
+def _returns_rank():
+    return int(os.environ["RANK"]) * 10
+
+
+def _rank1_raises():
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom from rank one")
+    return "fine"
+
+
+def _rank0_hangs():
+    if os.environ["RANK"] == "0":
+        time.sleep(600)
+    return "fine"
+
+
+def _rank1_dies():
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+    time.sleep(600)
+
+
+def _collective_with_dead_peer():
+    # Rank 1 raises before the collective; rank 0 blocks in it. The harness must not wait.
+    import torch
+    import torch.distributed as dist
+    from smshim import _runtime
+
+    _runtime.init_distributed()
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one gives up before all_reduce")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_returns_rank, 3, timeout=60) == [0, 10, 20]
+
+
+def test_raising_rank_fails_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_rank1_raises, 2, timeout=60)
+    assert "rank 1 of 2 failed" in str(e.value)
+    assert "ValueError: boom from rank one" in str(e.value)
+    assert "_rank1_raises" in str(e.value)  # the traceback, not just the message
+    assert time.monotonic() - t0 < 30
+
+
+def test_hanging_rank_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 5 s"):
+        run_ranks(_rank0_hangs, 2, timeout=5)
+    assert time.monotonic() - t0 < 20
+
+
+def test_dying_rank_fails_the_test():
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 7"):
+        run_ranks(_rank1_dies, 2, timeout=60)
+
+
+def test_peer_stuck_in_collective_does_not_hang():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank one gives up"):
+        run_ranks(_collective_with_dead_peer, 2, timeout=60)
+    assert time.monotonic() - t0 < 30
+
+
+def test_run_command_timeout_kills_the_group():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish within 2 s"):
+        run_command(["bash", "-c", "sleep 100 & sleep 100"], timeout=2)
+    assert time.monotonic() - t0 < 10

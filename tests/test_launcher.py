@@ -1,0 +1,116 @@
+"""`smshim run`: torchrun-style launch plus a SageMaker estimator's distribution/hyperparameters."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from smshim._sagemaker import (DistributionError, container_hyperparameters, hyperparameter_args,
+                               parse_distribution)
+from smshim.testing import run_command
+
+HERE = os.path.dirname(__file__)
+DUMP = os.path.join(HERE, "scripts", "dump_env.py")
+MP_DIST = ('{"smdistributed":{"modelparallel":{"enabled":true,"parameters":{"partitions":2}}},'
+           '"mpi":{"enabled":true,"processes_per_host":2}}')
+
+
+def _launch(tmp_path, *args, check=True, env=None, smshim=("smshim",)):
+    e = {"DUMP_DIR": str(tmp_path)}
+    e.update(env or {})
+    return run_command([*smshim, "run", *args], timeout=120, env=e, cwd=str(tmp_path), check=check)
+
+
+def _dumps(tmp_path, n):
+    out = []
+    for r in range(n):
+        with open(tmp_path / f"rank{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+def test_modelparallel_distribution_sets_the_container_environment(tmp_path):
+    _launch(tmp_path, "--distribution", MP_DIST, DUMP, "--epochs", "1")
+    for rank, d in enumerate(_dumps(tmp_path, 2)):
+        env, argv = d["env"], d["argv"]
+        assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"partitions": 2}
+        fw = json.loads(env["SM_FRAMEWORK_PARAMS"])
+        assert fw["sagemaker_mpi_enabled"] is True
+        assert fw["sagemaker_mpi_num_of_processes_per_host"] == 2
+        assert fw["sagemaker_distributed_dataparallel_enabled"] is False
+        assert argv[-2:] == ["--epochs", "1"]
+        # The SageMaker SDK adds mp_parameters as a hyperparameter: it reaches argv too.
+        assert argv[argv.index("--mp_parameters") + 1] == "partitions=2"
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["SMDATAPARALLEL_LOCAL_RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert json.loads(env["SM_HOSTS"]) == ["algo-1"] and env["SM_CURRENT_HOST"] == "algo-1"
+        assert env["SM_NUM_GPUS"] == "0" and int(env["SM_NUM_CPUS"]) >= 1
+        assert os.path.isdir(env["SM_MODEL_DIR"]) and os.path.isdir(env["SM_OUTPUT_DATA_DIR"])
+        assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_dataparallel_distribution_and_hyperparameters(tmp_path):
+    _launch(tmp_path, "-n", "2", "--distribution", '{"smdistributed":{"dataparallel":{"enabled":true}}}',
+            "--hyperparameters", '{"epochs": 3, "lr": 0.5, "model-name": "tiny"}',
+            "--channel", f"train={tmp_path}", DUMP, smshim=(sys.executable, "-m", "smshim"))
+    for d in _dumps(tmp_path, 2):
+        env, argv = d["env"], d["argv"]
+        assert json.loads(env["SM_FRAMEWORK_PARAMS"])["sagemaker_distributed_dataparallel_enabled"]
+        assert "SM_HP_MP_PARAMETERS" not in env
+        assert env["SM_HP_EPOCHS"] == "3" and env["SM_HP_LR"] == "0.5"
+        assert env["SM_HP_MODEL_NAME"] == "tiny"
+        assert env["SM_CHANNEL_TRAIN"] == str(tmp_path)
+        assert argv == ["--epochs", "3", "--lr", "0.5", "--model-name", "tiny"]
+
+
+def test_plain_run_sets_no_sagemaker_variables(tmp_path):
+    _launch(tmp_path, "-n", "2", DUMP, "--x", "1", env={"SM_HP_MP_PARAMETERS": None})
+    for d in _dumps(tmp_path, 2):
+        assert d["argv"] == ["--x", "1"]
+        assert not any(k.startswith("SM_HP_") for k in d["env"])
+
+
+@pytest.mark.parametrize("dist, field", [
+    ("{not json", "not valid JSON"),
+    ('{"smdistributed":{"modelparallel":{"enabled":"yes"}},"mpi":{"enabled":true,"processes_per_host":2}}',
+     "smdistributed.modelparallel.enabled"),
+    ('{"smdistributed":{"modelparallel":{"enabled":true,"parameters":{"partitions":2}}}}', "mpi.enabled"),
+    ('{"smdistributed":{"modelparallel":{"enabled":true}},"mpi":{"enabled":true,"processes_per_host":0}}',
+     "mpi.processes_per_host"),
+    ('{"smdistributed":{"modelparallel":{"enabled":true}},"mpi":{"enabled":true}}', "mpi.processes_per_host"),
+    ('{"smdistributed":{"modelparallel":{"enabled":true}, "dataparallel":{"enabled":true}},'
+     '"mpi":{"enabled":true,"processes_per_host":2}}', "both enabled"),
+    ('{"smdistributed":{"modelparalel":{"enabled":true}}}', "smdistributed.modelparalel"),
+    ('{"mpi":{"enabled":true,"processes_per_host":"2"}}', "mpi.processes_per_host"),
+    ('{"smdistributed":{"modelparallel":{"enabled":true,"parameters":[1]}},'
+     '"mpi":{"enabled":true,"processes_per_host":2}}', "smdistributed.modelparallel.parameters"),
+    ('[1, 2]', "<top level>"),
+])
+def test_bad_distribution_fails_fast_naming_the_field(tmp_path, dist, field):
+    with pytest.raises(DistributionError, match=field.replace(".", r"\.").replace("[", r"\[")):
+        parse_distribution(dist)
+    t0 = time.monotonic()
+    r = _launch(tmp_path, "--distribution", dist, DUMP, check=False)
+    assert r.returncode == 2
+    assert field in r.stderr
+    assert not list(tmp_path.glob("rank*.json"))  # no process started
+    assert time.monotonic() - t0 < 30
+
+
+def test_conflicting_process_counts_are_an_error(tmp_path):
+    r = _launch(tmp_path, "-n", "3", "--distribution", MP_DIST, DUMP, check=False)
+    assert r.returncode == 2 and "processes_per_host 2" in r.stderr
+
+
+def test_failing_worker_fails_the_launch(tmp_path):
+    r = _launch(tmp_path, "-n", "2", DUMP, check=False, env={"FAIL_ON_RANK": "1"})
+    assert r.returncode != 0
+
+
+def test_hyperparameter_args_follow_the_toolkit():
+    hps = container_hyperparameters(parse_distribution(MP_DIST), {"bb": True, "aa": "x", "c": 2})
+    # Sorted by name; one-letter names get a single dash; non-strings as str(); dicts as k=v,...
+    assert hyperparameter_args(hps) == ["--aa", "x", "--bb", "True", "-c", "2",
+                                        "--mp_parameters", "partitions=2"]

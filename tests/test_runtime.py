@@ -1,0 +1,90 @@
+"""Runtime bring-up: launcher detection, timeouts, and real process groups under each launcher."""
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from smshim import _runtime
+from smshim.testing import run_command, run_ranks
+
+HERE = os.path.dirname(__file__)
+ALLREDUCE = os.path.join(HERE, "scripts", "dp_allreduce.py")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, ("single", 0, 1, 0, 1, None, None)),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}, ("torchrun", 3, 4, 1, 2, "h0", 1234)),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ("openmpi", 1, 2, 1, 2, None, None)),
+    ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+     ("mpich", 5, 8, 1, 4, None, None)),
+    # SageMaker: MPI ranks, master = first of the sorted SM_HOSTS.
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SM_HOSTS": '["algo-2", "algo-1"]',
+      "SM_CURRENT_HOST": "algo-2", "MASTER_PORT": "7777"}, ("openmpi", 0, 4, 0, 2, "algo-1", 7777)),
+])
+def test_detect_launch(env, expected):
+    info = _runtime.detect_launch(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_size,
+            info.master_addr, info.master_port) == expected
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, ["rank 2", "world size 2"]),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, ["PMI_RANK"]),
+    ({"SM_HOSTS": "algo-1"}, ["SM_HOSTS"]),
+])
+def test_detect_launch_errors(env, words):
+    with pytest.raises(ValueError) as e:
+        _runtime.detect_launch(env)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_timeout_setting():
+    assert _runtime.timeout_seconds({}) == 1800
+    assert _runtime.timeout_seconds({"SMSHIM_TIMEOUT": "7.5"}) == 7.5
+    for bad in ("abc", "0", "-3"):
+        with pytest.raises(ValueError, match="SMSHIM_TIMEOUT"):
+            _runtime.timeout_seconds({"SMSHIM_TIMEOUT": bad})
+
+
+def _allreduce_rank():
+    import torch
+    import torch.distributed as dist
+
+    info = _runtime.init_distributed()
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    return info.rank, info.world_size, dist.get_backend(), t.item()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_torchrun_style_env(n):
+    out = run_ranks(_allreduce_rank, n, timeout=90)
+    assert [o[0] for o in out] == list(range(n))
+    assert all(o[1] == n and o[2] == "gloo" and o[3] == n * (n + 1) / 2 for o in out)
+
+
+NO_LAUNCHER = {k: None for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                  "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "SM_HOSTS")}
+
+
+def test_single_process_needs_no_launcher():
+    r = run_command([sys.executable, ALLREDUCE], timeout=90, env=NO_LAUNCHER)
+    assert "rank 0 of 1 sum 1.0" in r.stdout, r.stderr
+
+
+def test_torchrun_launch():
+    r = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2", ALLREDUCE], timeout=120)
+    assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (pip install '.[mpi]')")
+def test_mpirun_without_master_addr():
+    r = run_command(["mpirun", "-n", "2", sys.executable, ALLREDUCE], timeout=120, env=NO_LAUNCHER)
+    assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
