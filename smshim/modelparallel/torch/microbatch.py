@@ -386,8 +386,7 @@ def join_step_outputs(per_microbatch: List[Any], detach: bool) -> Any:
 
     Tensor leaves become `StepOutput`s (detached when ``detach``), other leaves per-microbatch lists,
     and containers keep their type. Raises SMPValidationError (a ValueError) naming the first
-    microbatch whose structure
-    differs from microbatch 0's.
+    microbatch whose structure differs from microbatch 0's, and where and how it differs.
     """
     per_microbatch = list(per_microbatch)
     if not per_microbatch:
