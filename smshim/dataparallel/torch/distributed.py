@@ -44,10 +44,17 @@ _TORCH_OPS = {
 
 def _pg(g: Any) -> Optional[_dist.ProcessGroup]:
     """Our group argument as torch's: WORLD (or None) is the default group."""
-    if g is None or g is group.WORLD:
+    if g is None or g is group.WORLD or (isinstance(g, str) and g == group.WORLD):
         return None
     if isinstance(g, _dist.ProcessGroup):
         return g
+    if g is _dist.GroupMember.NON_GROUP_MEMBER:
+        # What torch's new_group() hands to ranks outside the group. torch would silently skip the
+        # collective; an smddp script never expects that, so say so instead of returning garbage.
+        raise ValueError(
+            f"rank {_dist.get_rank()} is not a member of this group (new_group() returned "
+            "GroupMember.NON_GROUP_MEMBER here): call collectives on it only from its member ranks"
+        )
     raise TypeError(
         f"group={g!r} is not a process group: pass dist.group.WORLD or a group from dist.new_group()"
     )
@@ -73,29 +80,52 @@ def _op(op: Any) -> ReduceOp:
 
 
 class _AveragingWork:
-    """A work handle whose wait() also divides the summed result by the group size."""
+    """A work handle whose completion also divides the summed result by the group size.
+
+    gloo has no AVG, so AVERAGE is a SUM whose division must happen once the data is there: on
+    wait(), on the first is_completed() that sees it done, or in the future's continuation.
+    """
 
     def __init__(self, work: Any, tensor: torch.Tensor, n: int) -> None:
         self._work, self._tensor, self._n, self._done = work, tensor, n, False
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            _divide(self._tensor, self._n)
 
     def wait(self, timeout: Any = None) -> bool:
         if timeout is None:
             self._work.wait()
         else:
             self._work.wait(timeout)
-        if not self._done:
-            _divide(self._tensor, self._n)
-            self._done = True
+        self._finish()
         return True
 
     def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
+        if not self._done and self._work.is_completed():
+            self._finish()
+        return self._done
 
     def is_success(self) -> bool:
         return self._work.is_success() if hasattr(self._work, "is_success") else True
 
     def exception(self):
         return self._work.exception() if hasattr(self._work, "exception") else None
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return [self._tensor]
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes with the averaged tensor (as torch's Work.get_future())."""
+
+        def _averaged(fut: torch.futures.Future) -> List[torch.Tensor]:
+            fut.value()  # re-raise a failed collective
+            self._finish()
+            return [self._tensor]
+
+        return self._work.get_future().then(_averaged)
 
 
 def _divide(tensor: torch.Tensor, n: int) -> None:
@@ -146,7 +176,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = group.
     pg, op = _pg(group), _op(op)
     if op is not ReduceOp.AVERAGE:
         return _dist.all_reduce(tensor, _TORCH_OPS[op], group=pg, async_op=async_op)
-    if _dist.get_backend(pg) == "nccl":
+    if tensor.is_cuda and _dist.get_backend(pg) in ("nccl", "smddp"):  # NCCL has AVG
         return _dist.all_reduce(tensor, _dist.ReduceOp.AVG, group=pg, async_op=async_op)
     # gloo has no AVG: sum, then divide (after the wait when asynchronous).
     n = _dist.get_world_size(pg)
@@ -159,16 +189,19 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = group.
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = group.WORLD,
            async_op: bool = False):
+    """Reduce onto global rank `dst` (in place there); AVERAGE divides on `dst` only."""
     _require_init("reduce")
     pg, op = _pg(group), _op(op)
-    if op is ReduceOp.AVERAGE:
-        if async_op:
-            raise ValueError("reduce with ReduceOp.AVERAGE and async_op=True is not supported")
-        _dist.reduce(tensor, dst, _dist.ReduceOp.SUM, group=pg)
-        if _dist.get_rank() == dst:
-            _divide(tensor, _dist.get_world_size(pg))
-        return None
-    return _dist.reduce(tensor, dst, _TORCH_OPS[op], group=pg, async_op=async_op)
+    if op is not ReduceOp.AVERAGE:
+        return _dist.reduce(tensor, dst, _TORCH_OPS[op], group=pg, async_op=async_op)
+    work = _dist.reduce(tensor, dst, _dist.ReduceOp.SUM, group=pg, async_op=async_op)
+    n = _dist.get_world_size(pg)
+    if _dist.get_rank() != dst:
+        return work
+    if async_op:
+        return _AveragingWork(work, tensor, n)
+    _divide(tensor, n)
+    return None
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = group.WORLD, async_op: bool = False):
@@ -196,4 +229,5 @@ def barrier(group: Any = group.WORLD, async_op: bool = False):
 
 def new_group(ranks: Optional[List[int]] = None, **kwargs: Any):
     _require_init("new_group")
-    return _dist.new_group(ranks, timeout=_runtime.timeout(), **kwargs)
+    kwargs.setdefault("timeout", _runtime.timeout())
+    return _dist.new_group(ranks, **kwargs)
