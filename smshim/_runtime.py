@@ -188,3 +188,38 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_MPI_STORE: Optional[dist.Store] = None  # rank 0's rendezvous store under mpirun, kept alive
+
+
+def export_mpi_env() -> bool:
+    """Under mpirun, give torch's env:// rendezvous what torchrun would have set; True if it did.
+
+    Sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from the MPI variables. Without
+    MASTER_ADDR/MASTER_PORT, rank 0 opens the TCPStore now on an OS-chosen port (shared over MPI,
+    see _mpi_share_port) and keeps it open; every rank, rank 0 included, then joins it as a client
+    the way torchrun's agent-hosted store is joined (TORCHELASTIC_USE_AGENT_STORE), so no port is
+    picked, released and re-bound later (no race). A later `init_process_group(...)` with env://
+    (torch's default) then needs nothing from the user.
+    """
+    global _MPI_STORE
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return False
+    info = detect_launch()
+    if not info.is_mpi:
+        return False
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(info.rank), str(info.world_size)
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(info.local_size))
+    if info.master_addr is not None and info.master_port is not None:
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    else:
+        store = _mpi_share_port(info, timeout())
+        if info.rank == 0:
+            _MPI_STORE = store
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
+    logger.info("rank %d/%d: torch.distributed environment exported from %s", info.rank,
+                info.world_size, info.launcher)
+    return True

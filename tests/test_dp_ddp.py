@@ -31,17 +31,23 @@ def _batch(step: int, micro: int, world: int):
     return x, y
 
 
-def _reference(world: int) -> torch.nn.Module:
-    """Single process on the union of every rank's data: 3 Adam steps, then a 2-microbatch step."""
+def _reference(world: int):
+    """Single process on the union of every rank's data: 3 Adam steps, then a 2-microbatch step.
+
+    Returns the model and the gradients seen by each step (Adam is nearly invariant to gradient
+    scale, so the parameters alone would not tell an average from a sum).
+    """
     model = _model(0)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    grads = []
     for step in range(4):
         opt.zero_grad()
         for micro in range(2 if step == 3 else 1):
             x, y = _batch(step, micro, world)
             torch.nn.functional.mse_loss(model(x) + model.shift, y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
-    return model
+    return model, grads
 
 
 def _train_ddp(bucket_cap_mb):
@@ -56,6 +62,7 @@ def _train_ddp(bucket_cap_mb):
     assert model.module is net
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    grads = []
     for step in range(4):
         opt.zero_grad()
         if step == 3:  # gradient accumulation: first microbatch without communication
@@ -66,9 +73,12 @@ def _train_ddp(bucket_cap_mb):
         else:
             x, y = _batch(step, 0, world)
         torch.nn.functional.mse_loss(model(x[sl]) + net.shift, y[sl]).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
         opt.step()
-    ref = _reference(world)
+    ref, ref_grads = _reference(world)
     diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
+    for mine, theirs in zip(grads, ref_grads):
+        diff = max([diff] + [(a - b).abs().max().item() for a, b in zip(mine, theirs)])
     keys = list(model.state_dict().keys())
     torch_keys = list(torch.nn.parallel.DistributedDataParallel(_model(0)).state_dict().keys())
     return diff, float(net.shift[0]), keys == torch_keys, len(model.reducer.buckets), keys
