@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -51,7 +52,9 @@ def _child(fn: Callable, args: tuple, rank: int, env: Dict[str, str], results) -
 
         torch.set_num_threads(1)
         value = fn(*args)
-        results.put((rank, "ok", value))
+        # Plain pickle bytes: the queue's own pickler would pass tensors through shared memory,
+        # which needs this process alive when the parent unpickles.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001  (everything must reach the parent)
         results.put((rank, "error", traceback.format_exc()))
         # Flush the queue's feeder thread, then leave without atexit handlers that could block
@@ -120,7 +123,7 @@ def run_ranks(
                     continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {nprocs} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         ok = True
     finally:
         # After a failure the survivors may be blocked on the failed peer: kill them now.

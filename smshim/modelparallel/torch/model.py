@@ -1,0 +1,335 @@
+"""`smp.DistributedModel`: wraps the user's module, partitions it at the first step, and runs it.
+
+With pp = 1 there is nothing to partition: the model is "partitioned" at construction and a step
+is a plain loop over microbatches, with no threads or messages. With pp > 1, the first step
+decides the partition (partitioner.py; pp_rank 0 decides and broadcasts), frees the parameters
+and buffers of modules this rank does not own, and builds the Pipeline (pipeline.py) that runs
+every later step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from smshim import _runtime
+
+from . import partitioner
+from .comm import CommGroup
+from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
+                     MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
+from .pipeline import Pipeline
+from .server import ctx
+from .state import require_init, state
+from .timeline import from_env as _timeline_from_env
+
+logger = logging.getLogger(__name__)
+
+
+class _HookHandle:
+    def __init__(self, hooks: list, fn: Callable) -> None:
+        self._hooks, self._fn = hooks, fn
+
+    def remove(self) -> None:
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+class DistributedModel(nn.Module):
+    """The model-parallel wrapper; see SPEC §2. One per process."""
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu",
+                 trace_execution_times: bool = False, trace_memory_usage: bool = False,
+                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False) -> None:
+        require_init("smp.DistributedModel")
+        if state.model is not None:
+            raise MultipleDistributedModelError(
+                f"rank {state.topology.rank}: a DistributedModel already exists; smp supports one "
+                "per process (call smp.reset() first to start over)")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        if trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device={trace_device!r}: use 'cpu' or 'gpu'")
+        if state.cfg.ddp or state.topology.dp_size > 1:
+            raise SMPUnsupportedError(
+                "ddp: true (data parallelism across pipeline replicas) is not implemented yet in "
+                "smshim's DistributedModel; run with pipeline_parallel_degree = world size")
+        super().__init__()
+        self.module = module
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times
+        self.trace_memory_usage = trace_memory_usage
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.backward_passes_per_step = backward_passes_per_step
+        self._post_partition_hooks: List[Callable] = []
+        self._post_step_hooks: List[Callable] = []
+        self._assignment: Optional[Dict[str, int]] = None
+        self._pipeline: Optional[Pipeline] = None
+        self._pending_state_dict = None
+        topo = state.topology
+        self._pp_size = topo.pp_size
+        self._pp_rank = topo.pp_rank
+        self._device = _runtime.device()
+        self._timeline = _timeline_from_env(topo.rank)
+        self._group = None
+        if self._pp_size > 1:
+            # A process group for pipeline messages only (nothing else's tags on it). Every rank
+            # creates every PP group's, in the same order.
+            for ranks in topo.all_groups(CommGroup.PP_GROUP):
+                g = dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo"
+                                   if self._device.type == "cpu" else None)
+                if topo.rank in ranks:
+                    self._group, self._pp_ranks = g, list(ranks)
+        else:
+            self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
+            module.to(self._device)
+        state.model = self
+        state.register_reset_callback(self._on_reset)
+
+    # ---- properties and accessors -------------------------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        return self._assignment is not None
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def _require_partitioned(self, what: str) -> None:
+        if not self.partitioned:
+            raise SMPRuntimeError(
+                f"{what}() is only available after partitioning, which happens at the first call "
+                "of the @smp.step function")
+
+    def _is_local(self, module_name: str) -> bool:
+        return self._assignment.get(module_name, 0) == self._pp_rank
+
+    def local_named_modules(self) -> Iterator[Tuple[str, nn.Module]]:
+        self._require_partitioned("local_named_modules")
+        for name, m in self.module.named_modules():
+            if self._is_local(name):
+                yield name, m
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        for _, m in self.local_named_modules():
+            yield m
+
+    def local_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        self._require_partitioned("local_named_parameters")
+        seen = set()
+        for name, m in self.module.named_modules():
+            if not self._is_local(name):
+                continue
+            for pname, p in m.named_parameters(recurse=False):
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{name}.{pname}" if name else pname), p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.local_named_parameters():
+            yield p
+
+    def local_named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        self._require_partitioned("local_named_buffers")
+        for name, m in self.module.named_modules():
+            if self._is_local(name):
+                for bname, b in m.named_buffers(recurse=False):
+                    yield (f"{name}.{bname}" if name else bname), b
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, b in self.local_named_buffers():
+            yield b
+
+    def is_local_parameter(self, p: torch.Tensor) -> bool:
+        return any(p is q for q in self.local_parameters())
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def register_post_partition_hook(self, fn: Callable) -> _HookHandle:
+        self._post_partition_hooks.append(fn)
+        return _HookHandle(self._post_partition_hooks, fn)
+
+    def register_post_step_hook(self, fn: Callable) -> _HookHandle:
+        self._post_step_hooks.append(fn)
+        return _HookHandle(self._post_step_hooks, fn)
+
+    # ---- execution ----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if ctx.tracing:
+            return self.module(*args, **kwargs)
+        if self._pp_size > 1 and not ctx.in_step:
+            raise FwdExecutionNotInStepFnError(
+                "with pipeline_parallel_degree > 1 the DistributedModel can only be called inside "
+                "an @smp.step function")
+        with self._timeline.span("<root>", "forward", microbatch=ctx.microbatch, step=ctx.step):
+            return self.module(*args, **kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Replaces `loss.backward()` inside an @smp.step function."""
+        if not ctx.in_step:
+            raise BwdExecutionNotInStepFnError(
+                "model.backward() can only be called inside an @smp.step function")
+        if ctx.tracing:
+            return  # the partitioning trace runs forward only
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grad_tensors = [None] * len(tensors)
+        elif isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors]
+        grads = []
+        scale = 1.0 / self._num_mb if self.average_grads_across_microbatches else 1.0
+        for t, g in zip(tensors, grad_tensors):
+            if g is None:
+                if t.numel() != 1:
+                    raise ValueError("model.backward: grad_tensors is needed for a non-scalar tensor")
+                g = torch.ones_like(t)
+            # Scaling each microbatch's gradient by 1/m averages over microbatches without
+            # touching gradients accumulated before this step.
+            grads.append(g * scale if scale != 1.0 else g)
+        if self._pipeline is not None:
+            self._pipeline.backward(tensors, grads)
+        else:
+            torch.autograd.backward(tensors, grads)
+
+    # ---- the step (called by smp.step) -------------------------------------------------------
+    def _run_step(self, fn: Callable, mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
+        self._num_mb = len(mb_inputs)
+        if not self.partitioned:
+            self._partition(fn, mb_inputs)
+        if self._pipeline is None:
+            return self._run_local(fn, mb_inputs)
+        if self._pp_rank == 0:
+            return self._pipeline.run(fn, mb_inputs)
+        return self._pipeline.serve()
+
+    def _run_local(self, fn: Callable, mb_inputs) -> List[Any]:
+        results = []
+        step = getattr(self, "_local_step", 0)
+        for mb, (args, kwargs) in enumerate(mb_inputs):
+            ctx.step, ctx.microbatch, ctx.in_step = step, mb, True
+            state.microbatch = mb
+            try:
+                results.append(fn(*args, **kwargs))
+            finally:
+                ctx.in_step = False
+        self._local_step = step + 1
+        return results
+
+    def _after_step(self) -> None:
+        for fn in list(self._post_step_hooks):
+            fn(self, state.optimizer)
+
+    # ---- partitioning -------------------------------------------------------------------------
+    def _partition(self, fn: Callable, mb_inputs) -> None:
+        cfg = state.cfg
+        decision = [None]
+        if self._pp_rank == 0:
+            try:
+                if cfg.auto_partition:
+                    trace = self._trace(fn, mb_inputs[0])
+                    decision[0] = partitioner.auto_assignment(
+                        self.module, trace, self._pp_size, cfg.memory_weight,
+                        self.trace_execution_times)
+                else:
+                    decision[0] = partitioner.manual_assignment(
+                        self.module, self._pp_size, cfg.default_partition)
+            except BaseException as e:  # tell the other ranks instead of leaving them waiting
+                decision[0] = e
+        dist.broadcast_object_list(decision, src=self._pp_ranks[0], group=self._group)
+        if isinstance(decision[0], BaseException):
+            if self._pp_rank == 0:
+                raise decision[0]
+            raise SMPRuntimeError(f"partitioning failed on pp rank 0: {decision[0]}")
+        self._apply_partition(decision[0])
+
+    def _trace(self, fn: Callable, first_mb: Tuple[tuple, dict]) -> partitioner.Trace:
+        """One microbatch's forward with hooks, on pp_rank 0, leaving no trace in the model:
+        RNG state and buffers (e.g. BatchNorm statistics) are restored afterwards."""
+        device = torch.device("cuda") if (self.trace_device == "gpu" and torch.cuda.is_available()) \
+            else torch.device("cpu")
+        rng = torch.get_rng_state()
+        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        self.module.to(device)
+        args, kwargs = first_mb
+
+        def run():
+            ctx.in_step, ctx.tracing, ctx.microbatch = True, True, 0
+            try:
+                with torch.no_grad():
+                    fn(*args, **kwargs)
+            finally:
+                ctx.in_step, ctx.tracing = False, False
+
+        try:
+            trace = partitioner.trace_modules(self.module, run, self.trace_execution_times)
+        finally:
+            torch.set_rng_state(rng)
+            with torch.no_grad():
+                for n, b in self.module.named_buffers():
+                    b.copy_(buffers[n])
+        return trace
+
+    def _apply_partition(self, assignment: Dict[str, int]) -> None:
+        self._assignment = assignment
+        local_params = {id(p) for p in self.local_parameters()}
+        freed = 0
+        with torch.no_grad():
+            for name, m in self.module.named_modules():
+                if self._is_local(name):
+                    for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                        t.data = t.data.to(self._device)
+                    continue
+                for p in m.parameters(recurse=False):
+                    if id(p) not in local_params and p.numel():
+                        freed += p.numel()
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                for b in m.buffers(recurse=False):
+                    b.data = torch.empty(0, dtype=b.dtype, device=b.device)
+        logger.info("pp rank %d keeps %d parameters, freed %d", self._pp_rank,
+                    sum(p.numel() for p in self.local_parameters()), freed)
+        self._pipeline = Pipeline(
+            self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
+            state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
+            _runtime.timeout_seconds(), self._device)
+        for fn in list(self._post_partition_hooks):
+            fn(self, state.optimizer)
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The full model state, keys as the unwrapped module's (gathered over the PP group)."""
+        if self._pp_size == 1 or not self.partitioned:
+            return self.module.state_dict(*args, **kwargs)
+        raise SMPUnsupportedError("state_dict() of a pipeline-partitioned model is not implemented yet")
+
+    def local_state_dict(self) -> Dict[str, Any]:
+        self._require_partitioned("local_state_dict")
+        sd = {n: p.detach() for n, p in self.local_named_parameters()}
+        sd.update({n: b.detach() for n, b in self.local_named_buffers()})
+        sd["_smp_is_partial"] = True
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
+        if self._pp_size == 1:
+            sd = {k: v for k, v in state_dict.items() if k != "_smp_is_partial"}
+            return self.module.load_state_dict(sd, strict=strict)
+        raise SMPUnsupportedError("load_state_dict() of a pipeline-partitioned model is not implemented yet")
+
+    def cpu(self) -> "DistributedModel":
+        self.module.cpu()
+        return self
+
+    def join(self):
+        raise SMPUnsupportedError("join() needs ddp: true, which is not implemented yet")
+
+    def register_comm_hook(self, state_: Any, hook: Callable) -> None:
+        raise SMPUnsupportedError("register_comm_hook() needs ddp: true, which is not implemented yet")
+
+    def _on_reset(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None

@@ -1,0 +1,174 @@
+"""One pipeline step over microbatches, for a partitioned model with pp > 1.
+
+pp_rank 0 drives: it runs the step body once per microbatch, each in its own worker thread, and
+asks the schedule when the next microbatch's forward may start and when a finished forward may
+run its backward. The other ranks serve requests (server.py) until pp_rank 0 sends STEP_END with
+the step's outputs; then every rank closes the step with its peers (transport.py).
+
+Thread roles on pp_rank 0: the caller's thread admits microbatches and waits; one worker per
+microbatch in flight runs the body (holding the compute lock except while waiting on the
+network); transport threads move messages; server threads answer peers' calls into rank 0's
+modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
+from .server import ModuleServer, ctx, fill, flatten
+from .timeline import Timeline
+from .transport import STEP_END, Message, PipelineError, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    def __init__(self, root: nn.Module, assignment: dict, ranks: List[int], pp_rank: int,
+                 group: dist.ProcessGroup, pipeline: str, active_microbatches: int,
+                 timeline: Timeline, timeout_s: float, device: torch.device) -> None:
+        self.pp_rank = pp_rank
+        self.pipeline = pipeline
+        self.active_microbatches = active_microbatches
+        self.timeline = timeline
+        self.timeout_s = timeout_s
+        self.lock = ComputeLock()
+        self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s)
+        self.transport = Transport(ranks, pp_rank, group, self.server.dispatch, timeout_s, device)
+        self.server.transport = self.transport
+        self.transport.on_error(self.server.wake_all)
+        self.transport.on_error(lambda exc: self._wake())
+        self.server.install_proxies()
+        self.step = 0
+        self._cond = threading.Condition()
+        self._schedule: Optional[Schedule] = None
+        self._forwards_done = 0
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- pp_rank 0 ----------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
+        from .state import state
+
+        m = len(mb_inputs)
+        schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m))
+        self._schedule = self.server.schedule = schedule
+        self._forwards_done = 0
+        self.transport.open_session()
+        results: List[Any] = [None] * m
+        errors: List[Tuple[int, BaseException]] = []
+        counts = {"started": 0, "finished": 0}
+        step = self.step
+
+        def body(mb: int) -> None:
+            ctx.step, ctx.microbatch, ctx.in_step, ctx.forward_done = step, mb, True, False
+            state.microbatch = mb
+            try:
+                with self.lock.hold(schedule.priority(FORWARD, mb)):
+                    args, kwargs = mb_inputs[mb]
+                    results[mb] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001
+                errors.append((mb, e))
+                self.transport.fail(PipelineError(
+                    f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
+            finally:
+                ctx.in_step = False
+                with self._cond:
+                    if not ctx.forward_done:
+                        self._forwards_done += 1
+                    counts["finished"] += 1
+                    self._cond.notify_all()
+
+        threads = []
+        with self._cond:
+            while counts["finished"] < m and not errors and self.transport.error is None:
+                while schedule.may_start_forward(counts["started"], counts["finished"]):
+                    t = threading.Thread(target=body, args=(counts["started"],), daemon=True,
+                                         name=f"smp-mb{counts['started']}")
+                    counts["started"] += 1
+                    t.start()
+                    threads.append(t)
+                self._cond.wait(timeout=1.0)
+        if errors or self.transport.error is not None:
+            for t in threads:
+                t.join(timeout=2.0)
+            if errors:
+                mb, exc = min(errors, key=lambda e: e[0])
+                raise exc
+            self.transport.check()
+        for t in threads:
+            t.join()
+        template, tensors = flatten(results)
+        for peer in range(len(self.transport.ranks)):
+            if peer != self.pp_rank:
+                self.transport.send(peer, Message(STEP_END, step, meta=template, tensors=tensors))
+        self._finish(step)
+        return results
+
+    def backward(self, tensors: List[torch.Tensor], grad_tensors: List[Optional[torch.Tensor]]) -> None:
+        """model.backward inside a body thread: wait for the schedule's permission, then run the
+        backward with backward priority (remote parts run on their owners)."""
+        schedule = self._schedule
+        mb = ctx.microbatch
+        self.lock.release()
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            with self._cond:
+                if not ctx.forward_done:
+                    ctx.forward_done = True
+                    self._forwards_done += 1
+                    self._cond.notify_all()
+                while not schedule.may_start_backward(self._forwards_done):
+                    self.transport.check()
+                    if time.monotonic() > deadline:
+                        raise PipelineError(
+                            f"microbatch {mb} waited {self.timeout_s:.0f} s to start its backward: "
+                            f"only {self._forwards_done} of {schedule.microbatches} forwards "
+                            "finished (does every microbatch call model.backward?)")
+                    self._cond.wait(timeout=1.0)
+        finally:
+            self.lock.acquire(schedule.priority(BACKWARD, mb))
+        with self.timeline.span("<root>", "backward", microbatch=mb, step=ctx.step):
+            torch.autograd.backward(tensors, grad_tensors)
+
+    # ---- other pp ranks -----------------------------------------------------------------------
+    def serve(self) -> List[Any]:
+        step = self.step
+        self.server.schedule = make_schedule(self.pipeline, 1, 1)  # priorities only
+        self.transport.open_session()
+        msg = None
+        try:
+            msg = self.server.step_end.get(timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001  (queue.Empty)
+            err = PipelineError(
+                f"pp rank {self.pp_rank} waited {self.timeout_s:.0f} s for pp rank 0 (global rank "
+                f"{self.transport.ranks[0]}) to finish step {step}: it may have stopped calling "
+                "the step function, or died (SMSHIM_TIMEOUT sets this limit)")
+            self.transport.fail(err)
+            raise err from None
+        if msg.kind != STEP_END:
+            self.transport.check()
+            raise PipelineError(str(msg.meta))
+        self._finish(step)
+        return fill(msg.meta, msg.tensors)
+
+    def _finish(self, step: int) -> None:
+        self.server.end_step()
+        self.transport.close_session(step)
+        self.step += 1
+        if self.timeline.enabled:
+            self.timeline.flush()
+
+    def close(self) -> None:
+        self.server.remove_proxies()
+        self.transport.shutdown()
+        self.server.close()

@@ -1,0 +1,142 @@
+"""Pipeline schedules and the per-rank compute lock that enforces them.
+
+A schedule is a small policy object answering two questions for pp_rank 0, which drives the
+pipeline: may the next microbatch's forward start now, and may microbatch i's backward start
+now? It also gives the priority in which a rank runs the work that is ready. Adding a schedule is
+adding a policy class to `SCHEDULES`.
+
+Every rank runs one module forward or backward at a time ("one request at a time", as a device
+runs one stream). `ComputeLock` is that rule: a lock granted by priority, (backward before forward,
+then lowest microbatch) under `interleaved`; held only while computing, and given up while a
+thread waits on the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+from typing import Dict, Iterator, Optional, Tuple
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class Schedule:
+    """A policy; subclasses decide admission and priority."""
+
+    name = "base"
+
+    def __init__(self, microbatches: int, active_microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.active_microbatches = active_microbatches
+
+    def may_start_forward(self, started: int, finished: int) -> bool:
+        """May microbatch number `started` begin? (`finished` have completed their backward.)"""
+        raise NotImplementedError
+
+    def may_start_backward(self, forwards_done: int) -> bool:
+        """May a microbatch whose forward is done begin its backward?"""
+        raise NotImplementedError
+
+    def priority(self, kind: str, microbatch: int) -> Tuple[int, int]:
+        """Smaller runs first among work that is ready on a rank."""
+        raise NotImplementedError
+
+
+class SimpleSchedule(Schedule):
+    """GPipe: every microbatch's forward before any backward."""
+
+    name = "simple"
+
+    def may_start_forward(self, started: int, finished: int) -> bool:
+        return started < self.microbatches
+
+    def may_start_backward(self, forwards_done: int) -> bool:
+        return forwards_done == self.microbatches
+
+    def priority(self, kind: str, microbatch: int) -> Tuple[int, int]:
+        return (0 if kind == FORWARD else 1, microbatch)
+
+
+class InterleavedSchedule(Schedule):
+    """1F1B-like: a ready backward first (lowest microbatch), else the next forward while fewer
+    than `active_microbatches` are in flight (bounded activation memory)."""
+
+    name = "interleaved"
+
+    def may_start_forward(self, started: int, finished: int) -> bool:
+        return started < self.microbatches and started - finished < self.active_microbatches
+
+    def may_start_backward(self, forwards_done: int) -> bool:
+        return True
+
+    def priority(self, kind: str, microbatch: int) -> Tuple[int, int]:
+        return (0 if kind == BACKWARD else 1, microbatch)
+
+
+SCHEDULES: Dict[str, type] = {"simple": SimpleSchedule, "interleaved": InterleavedSchedule}
+
+
+def make_schedule(name: str, microbatches: int, active_microbatches: int) -> Schedule:
+    try:
+        cls = SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"pipeline={name!r} is not a schedule; choose one of {sorted(SCHEDULES)}") from None
+    return cls(microbatches, active_microbatches)
+
+
+class ComputeLock:
+    """A lock handed to the waiting thread with the smallest priority (FIFO among equals)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held_by: Optional[int] = None
+        self._waiters: list = []
+        self._seq = itertools.count()
+        self._local = threading.local()
+
+    def acquire(self, priority: Tuple[int, int]) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            entry = (priority, next(self._seq), me)
+            heapq.heappush(self._waiters, entry)
+            while self._held_by is not None or self._waiters[0] is not entry:
+                self._cond.wait()
+            heapq.heappop(self._waiters)
+            self._held_by = me
+        self._local.priority = priority
+
+    def release(self) -> None:
+        with self._cond:
+            self._held_by = None
+            self._cond.notify_all()
+
+    def held(self) -> bool:
+        return self._held_by == threading.get_ident()
+
+    @contextlib.contextmanager
+    def hold(self, priority: Tuple[int, int]) -> Iterator[None]:
+        """Hold the lock for a piece of compute (re-entrant: a holder keeps it)."""
+        if self.held():
+            yield
+            return
+        self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Give the lock up while this thread waits on the network; take it back afterwards
+        with the same priority."""
+        if not self.held():
+            yield
+            return
+        priority = self._local.priority
+        self.release()
+        try:
+            yield
+        finally:
+            self.acquire(priority)

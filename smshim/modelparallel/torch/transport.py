@@ -1,0 +1,224 @@
+"""Messages between the ranks of one pipeline (PP) group.
+
+Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is exactly one
+sender thread and one receiver thread, on a process group used by nothing else, so messages from
+one rank to another arrive in the order they were sent and gloo's (peer, tag) matching can never
+pair a buffer with the wrong message. A message is a small header (an int64 length, then the
+pickled `Message` without its tensors, which carries their shapes and dtypes) followed by each
+tensor, sent contiguous.
+
+Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
+step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
+CLOSE. So no receive is pending while a rank is idle between steps (where it could time out), and
+a step ends only after every peer has said it is done.
+
+Every failure (a peer gone, a send or receive timing out) is turned into an error stored on the
+transport; every waiter wakes up and raises it, naming the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# Message kinds.
+FWD_REQ, FWD_RESP, BWD_REQ, BWD_RESP = "fwd_req", "fwd_resp", "bwd_req", "bwd_resp"
+STEP_END, CLOSE, ERROR = "step_end", "close", "error"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline peer failed, stopped taking part, or a wait timed out."""
+
+
+@dataclasses.dataclass
+class Message:
+    kind: str
+    step: int = 0
+    microbatch: int = -1
+    call_id: int = -1
+    module: str = ""
+    meta: Any = None  # pickled with the header: structure specs, non-tensor leaves, flags
+    tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    src: int = -1  # filled in on receipt (pp rank of the sender)
+
+    def describe(self) -> str:
+        what = {FWD_REQ: "forward", FWD_RESP: "forward", BWD_REQ: "backward",
+                BWD_RESP: "backward"}.get(self.kind, self.kind)
+        mod = f" of module '{self.module}'" if self.module else ""
+        mb = f", microbatch {self.microbatch}" if self.microbatch >= 0 else ""
+        return f"{what}{mod}{mb} (step {self.step})"
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype)
+
+
+class Transport:
+    """Point-to-point messages among `ranks` (global ranks of one PP group, in pp-rank order)."""
+
+    def __init__(self, ranks: List[int], my_pp_rank: int, group: dist.ProcessGroup,
+                 dispatch: Callable[[Message], None], timeout_s: float,
+                 device: torch.device) -> None:
+        self.ranks = ranks
+        self.me = my_pp_rank
+        self.group = group
+        self.timeout_s = timeout_s
+        self.device = device
+        self._dispatch = dispatch
+        self._error: Optional[BaseException] = None
+        self._error_lock = threading.Lock()
+        self._error_listeners: List[Callable[[BaseException], None]] = []
+        self._outboxes: Dict[int, "queue.Queue[Optional[Message]]"] = {}
+        self._session_starts: Dict[int, threading.Semaphore] = {}
+        self._closed_peers: "queue.Queue[int]" = queue.Queue()
+        self._shutdown = False
+        self._threads: List[threading.Thread] = []
+        for peer in range(len(ranks)):
+            if peer == self.me:
+                continue
+            self._outboxes[peer] = queue.Queue()
+            self._session_starts[peer] = threading.Semaphore(0)
+            for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+                t = threading.Thread(target=target, args=(peer,), daemon=True,
+                                     name=f"smp-{name}-{self.me}-{peer}")
+                t.start()
+                self._threads.append(t)
+
+    # ---- errors -----------------------------------------------------------------------------
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def on_error(self, fn: Callable[[BaseException], None]) -> None:
+        self._error_listeners.append(fn)
+
+    def fail(self, exc: BaseException, tell_peers: bool = True) -> None:
+        """Record the first failure, wake every waiter, and tell the peers (best effort)."""
+        with self._error_lock:
+            if self._error is not None:
+                return
+            self._error = exc
+        logger.error("pipeline rank %d: %s", self.me, exc)
+        for fn in self._error_listeners:
+            fn(exc)
+        if tell_peers:
+            for peer, box in self._outboxes.items():
+                box.put(Message(ERROR, meta=f"pp rank {self.me} (global rank "
+                                            f"{self.ranks[self.me]}) failed: {exc}"))
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise PipelineError(str(self._error)) from self._error
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def open_session(self) -> None:
+        self.check()
+        while not self._closed_peers.empty():
+            self._closed_peers.get_nowait()
+        for sem in self._session_starts.values():
+            sem.release()
+
+    def close_session(self, step: int) -> None:
+        """Tell every peer we are done with this step; wait until every peer has said the same."""
+        for peer in self._outboxes:
+            self.send(peer, Message(CLOSE, step=step))
+        waiting = set(self._outboxes)
+        while waiting:
+            self.check()
+            try:
+                peer = self._closed_peers.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise PipelineError(
+                    f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp ranks "
+                    f"{sorted(waiting)} (global {[self.ranks[p] for p in sorted(waiting)]}) to "
+                    f"finish step {step}: they may have stopped calling the step function"
+                ) from None
+            waiting.discard(peer)
+        self.check()
+
+    # ---- sending ----------------------------------------------------------------------------
+    def send(self, peer: int, msg: Message) -> None:
+        self.check()
+        self._outboxes[peer].put(msg)
+
+    def _send_loop(self, peer: int) -> None:
+        dst = self.ranks[peer]
+        box = self._outboxes[peer]
+        while True:
+            msg = box.get()
+            if msg is None:
+                return
+            try:
+                self._send_one(dst, msg)
+            except Exception as e:  # noqa: BLE001
+                if not self._shutdown:
+                    self.fail(PipelineError(f"pp rank {self.me} could not send {msg.describe()} "
+                                            f"to pp rank {peer} (global rank {dst}): {e}"),
+                              tell_peers=False)
+                return
+
+    def _send_one(self, dst: int, msg: Message) -> None:
+        tensors = [t.detach().to(self.device).contiguous() for t in msg.tensors]
+        header = dataclasses.replace(msg, tensors=[_tensor_meta(t) for t in tensors])
+        data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=self.group)
+        dist.send(payload, dst, group=self.group)
+        for t in tensors:
+            if t.numel():
+                dist.send(t, dst, group=self.group)
+
+    # ---- receiving --------------------------------------------------------------------------
+    def _recv_loop(self, peer: int) -> None:
+        src = self.ranks[peer]
+        while True:
+            self._session_starts[peer].acquire()
+            if self._shutdown:
+                return
+            try:
+                while True:
+                    msg = self._recv_one(src)
+                    msg.src = peer
+                    if msg.kind == CLOSE:
+                        self._closed_peers.put(peer)
+                        break
+                    if msg.kind == ERROR:
+                        self.fail(PipelineError(str(msg.meta)), tell_peers=True)
+                        return
+                    self._dispatch(msg)
+            except Exception as e:  # noqa: BLE001
+                if not self._shutdown:
+                    self.fail(PipelineError(f"pp rank {self.me} lost pp rank {peer} (global rank "
+                                            f"{src}) while receiving: {e}"), tell_peers=True)
+                return
+
+    def _recv_one(self, src: int) -> Message:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src, group=self.group)
+        msg: Message = pickle.loads(payload.numpy().tobytes())
+        tensors = []
+        for shape, dtype in msg.tensors:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if t.numel():
+                dist.recv(t, src, group=self.group)
+            tensors.append(t)
+        msg.tensors = tensors
+        return msg
+
+    def shutdown(self) -> None:
+        self._shutdown = True
+        for box in self._outboxes.values():
+            box.put(None)
+        for sem in self._session_starts.values():
+            sem.release()
