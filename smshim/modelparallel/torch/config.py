@@ -1,0 +1,384 @@
+"""The smp configuration: merge the init() dict with SM_HP_MP_PARAMETERS, validate, derive defaults.
+
+`resolve_config(user, world_size, env)` is pure: the same input gives the same SMPConfig or the same
+exception on every rank, so a bad configuration fails everywhere before any collective can hang.
+
+Merge. Each source (the dict given to `smp.init`, the JSON in `SM_HP_MP_PARAMETERS`) is normalised
+on its own first: `partitions` is an alias of `pipeline_parallel_degree`; giving both in one source
+with different values is an error. Then the environment's keys override the dict's (logged when a
+value changes).
+
+Validation order (the first failure raises): the sources' shape, unknown keys, types, ranges,
+dependencies, Adv features, world size. Types: ints and bools are distinct (True is not an int);
+a float key (memory_weight) accepts an int, as JSON writes 1.0 as 1. `None` means "the default"
+only for the keys whose default is derived: memory_weight, active_microbatches, ddp_port.
+
+Dependencies and the choices made where SPEC leaves room:
+  * auto_partition False needs default_partition to be given explicitly (SPEC: "False needs
+    default_partition"), so a manual partitioning never lands on partition 0 by accident.
+    default_partition given with auto_partition True is accepted and unused (as in SageMaker).
+  * ddp_port and ddp_dist_backend, when given at all, need ddp True.
+  * horovod with ddp is an error (SMPConfigError); horovod alone is an Adv rejection.
+  * pipeline "simple" runs every microbatch's forward before any backward, so it needs
+    active_microbatches == microbatches. If active_microbatches is not given, "simple" sets it to
+    microbatches. If it is given explicitly and differs, the pipeline is switched to "interleaved"
+    and a warning says so (SPEC §2 "Schedules"); an active_microbatches outside
+    [1, microbatches] is an error either way.
+  * memory_weight defaults to 0.8 with optimize "memory" and 0.2 with "speed"; an explicit value wins.
+  * active_microbatches defaults to min(pipeline_parallel_degree + 2, microbatches).
+  * ddp_port defaults to MASTER_PORT (None when unset); it must be in [0, 65535].
+  * world size: `size % (pp * tp) != 0` is an error; size > pp * tp needs ddp.
+
+Adv keys (SPEC §3), decided one by one. Rejected with SMPUnsupportedError (a NotImplementedError)
+naming the key when set to a non-default value, because accepting them would silently change the
+meaning of training:
+  tensor_parallel_degree > 1, sharded_data_parallel_degree > 1, fp16, bf16, fp16_params, horovod,
+  shard_optimizer_state, offload_activations, delayed_parameter_initialization.
+Accepted with any valid value, because they cannot change results here:
+  prescaled_batch (only distinguishes rdp from dp batch sharding, and with tp = 1 rdp == dp),
+  skip_tracing (a partitioning-cost hint; any partition is correct), contiguous (our partitions
+  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (no
+  tensor-parallel parameters exist), activation_loading_horizon (only used with
+  offload_activations, which is rejected).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import numbers
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from smshim.modelparallel.torch.errors import SMPConfigError, SMPUnsupportedError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SMPConfig", "SMPConfigError", "resolve_config", "ENV_VAR", "ALIASES"]
+
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+ALIASES = {"partitions": "pipeline_parallel_degree"}
+
+PIPELINES = ("interleaved", "simple")
+OPTIMIZE = ("speed", "memory")
+DDP_BACKENDS = ("auto", "nccl", "gloo")
+PLACEMENT_WORDS = ("cluster", "spread")
+MEMORY_WEIGHT = {"memory": 0.8, "speed": 0.2}
+
+
+@dataclass
+class SMPConfig:
+    """One field per configuration key of SPEC §3, after defaults and derived defaults."""
+
+    pipeline_parallel_degree: int = 1
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    optimize: str = "speed"
+    placement_strategy: str = "cluster"
+    auto_partition: bool = True
+    default_partition: int = 0
+    memory_weight: float = 0.2
+    active_microbatches: int = 1
+    deterministic_server: bool = False
+    ddp: bool = False
+    ddp_port: Optional[int] = None
+    ddp_dist_backend: str = "auto"
+    horovod: bool = False
+    tensor_parallel_degree: int = 1
+    fp16: bool = False
+    bf16: bool = False
+    shard_optimizer_state: bool = False
+    offload_activations: bool = False
+    activation_loading_horizon: int = 4
+    prescaled_batch: bool = False
+    delayed_parameter_initialization: bool = False
+    skip_tracing: bool = False
+    sharded_data_parallel_degree: int = 1
+    tensor_parallel_seed: int = 0
+    contiguous: bool = True
+    fp16_params: bool = False
+
+    @property
+    def partitions(self) -> int:
+        """SageMaker's older name for pipeline_parallel_degree."""
+        return self.pipeline_parallel_degree
+
+
+KEYS: Tuple[str, ...] = tuple(f.name for f in fields(SMPConfig))
+
+# key -> (type, description of the allowed values). Types: int, bool, float, choice, placement.
+_SPEC: Dict[str, Tuple[str, str]] = {
+    "pipeline_parallel_degree": ("int", "an int >= 1"),
+    "microbatches": ("int", "an int >= 1"),
+    "pipeline": ("choice", "one of 'interleaved', 'simple'"),
+    "optimize": ("choice", "one of 'speed', 'memory'"),
+    "placement_strategy": ("placement", "'cluster', 'spread' or a permutation of the letters D, P, T"),
+    "auto_partition": ("bool", "a bool"),
+    "default_partition": ("int", "an int in [0, pipeline_parallel_degree)"),
+    "memory_weight": ("float", "a number in [0, 1]"),
+    "active_microbatches": ("int", "an int in [1, microbatches]"),
+    "deterministic_server": ("bool", "a bool"),
+    "ddp": ("bool", "a bool"),
+    "ddp_port": ("int", "an int in [0, 65535]"),
+    "ddp_dist_backend": ("choice", "one of 'auto', 'nccl', 'gloo'"),
+    "horovod": ("bool", "a bool"),
+    "tensor_parallel_degree": ("int", "an int >= 1"),
+    "fp16": ("bool", "a bool"),
+    "bf16": ("bool", "a bool"),
+    "shard_optimizer_state": ("bool", "a bool"),
+    "offload_activations": ("bool", "a bool"),
+    "activation_loading_horizon": ("int", "an int >= 1"),
+    "prescaled_batch": ("bool", "a bool"),
+    "delayed_parameter_initialization": ("bool", "a bool"),
+    "skip_tracing": ("bool", "a bool"),
+    "sharded_data_parallel_degree": ("int", "an int >= 1"),
+    "tensor_parallel_seed": ("int", "an int >= 0"),
+    "contiguous": ("bool", "a bool"),
+    "fp16_params": ("bool", "a bool"),
+}
+_CHOICES = {"pipeline": PIPELINES, "optimize": OPTIMIZE, "ddp_dist_backend": DDP_BACKENDS}
+_NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
+
+# Adv keys rejected when not at their default: key -> what it would need.
+_UNSUPPORTED = {
+    "tensor_parallel_degree": "tensor parallelism",
+    "sharded_data_parallel_degree": "sharded data parallelism",
+    "fp16": "fp16 training of a partitioned model (master weights, loss scaling across stages)",
+    "bf16": "bf16 training of a partitioned model",
+    "fp16_params": "fp16 parameters",
+    "horovod": "Horovod as the data-parallel engine (use \"ddp\": True)",
+    "shard_optimizer_state": "optimizer state sharding",
+    "offload_activations": "activation offloading",
+    "delayed_parameter_initialization": "delayed parameter initialization",
+}
+assert set(_SPEC) == set(KEYS), "every SMPConfig field needs a validation entry"
+
+
+def _where(source: str) -> str:
+    return f" (from {source})" if source else ""
+
+
+def _fail(key: str, value: Any, allowed: str, source: str = "") -> SMPConfigError:
+    return SMPConfigError(
+        f"smp config: {key!r}={value!r}{_where(source)} is invalid: it must be {allowed}"
+    )
+
+
+def _parse_env(env: Mapping[str, str]) -> Dict[str, Any]:
+    raw = env.get(ENV_VAR)
+    if raw is None or raw.strip() == "":
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SMPConfigError(
+            f"smp config: {ENV_VAR}={raw!r} is not valid JSON ({e}); it must be a JSON object "
+            "of configuration keys"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise SMPConfigError(
+            f"smp config: {ENV_VAR}={raw!r} must be a JSON object of configuration keys"
+        )
+    return parsed
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    """The value converted to the key's Python type, or SMPConfigError."""
+    kind, allowed = _SPEC[ALIASES.get(key, key)]
+    if value is None and key in _NONE_MEANS_DEFAULT:
+        return None
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _fail(key, value, f"{allowed} (got a {type(value).__name__})", source)
+        return int(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise _fail(key, value, f"{allowed}, true or false (got a {type(value).__name__})", source)
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _fail(key, value, f"{allowed} (got a {type(value).__name__})", source)
+        return float(value)
+    if kind == "choice":
+        if not isinstance(value, str) or value not in _CHOICES[key]:
+            raise _fail(key, value, allowed, source)
+        return value
+    if kind == "placement":
+        if isinstance(value, str):
+            if value.lower() in PLACEMENT_WORDS:
+                return value.lower()
+            if sorted(value.upper()) == ["D", "P", "T"]:
+                return value.upper()
+        raise _fail(key, value, allowed, source)
+    raise AssertionError(kind)
+
+
+def _normalise(raw: Any, source: str) -> Dict[str, Tuple[Any, str]]:
+    """One source's keys with the alias folded in: key -> (value, source)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise SMPConfigError(
+            f"smp config{_where(source)} must be a dict of configuration keys, "
+            f"got a {type(raw).__name__}"
+        )
+    out: Dict[str, Tuple[Any, str]] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise SMPConfigError(f"smp config{_where(source)}: key {key!r} is not a string")
+        out[key] = (value, source)
+    for alias, canonical in ALIASES.items():
+        if alias not in out:
+            continue
+        a = _check_type(alias, out[alias][0], source)
+        if canonical in out:
+            c = _check_type(canonical, out[canonical][0], source)
+            if a != c:
+                raise SMPConfigError(
+                    f"smp config{_where(source)}: conflicting values {alias!r}={a!r} and "
+                    f"{canonical!r}={c!r} ({alias!r} is an alias of {canonical!r}); "
+                    "give one of them"
+                )
+        out[canonical] = (out.pop(alias)[0], source)
+    return out
+
+
+def _merge(user: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> Dict[str, Tuple[Any, str]]:
+    merged = _normalise(user, "smp.init config")
+    for key, (value, source) in _normalise(_parse_env(env), ENV_VAR).items():
+        if key in merged and merged[key][0] != value:
+            logger.info("smp config: %s=%r from %s overrides %r from the smp.init config",
+                        key, value, ENV_VAR, merged[key][0])
+        merged[key] = (value, source)
+    return merged
+
+
+def _unknown(merged: Mapping[str, Tuple[Any, str]]) -> None:
+    unknown = sorted(k for k in merged if k not in _SPEC)
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        value, source = merged[key]
+        hint = difflib.get_close_matches(key, list(KEYS) + list(ALIASES), n=1)
+        parts.append(f"{key!r}={value!r}{_where(source)}"
+                     + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    raise SMPConfigError(
+        f"smp config: unknown key{'s' if len(parts) > 1 else ''} {', '.join(parts)}. "
+        f"Allowed keys: {', '.join(KEYS)} (and the alias 'partitions')"
+    )
+
+
+def _check_ranges(v: Dict[str, Any], src: Dict[str, str]) -> None:
+    def at_least(key: str, low: int) -> None:
+        if v[key] < low:
+            raise _fail(key, v[key], _SPEC[key][1], src.get(key, ""))
+
+    for key in ("pipeline_parallel_degree", "microbatches", "tensor_parallel_degree",
+                "sharded_data_parallel_degree", "activation_loading_horizon"):
+        at_least(key, 1)
+    at_least("tensor_parallel_seed", 0)
+    pp = v["pipeline_parallel_degree"]
+    if not 0 <= v["default_partition"] < pp:
+        raise _fail("default_partition", v["default_partition"],
+                    f"an int in [0, pipeline_parallel_degree={pp})", src.get("default_partition", ""))
+    mw = v["memory_weight"]
+    if mw is not None and not 0.0 <= mw <= 1.0:
+        raise _fail("memory_weight", mw, _SPEC["memory_weight"][1], src.get("memory_weight", ""))
+    am, mb = v["active_microbatches"], v["microbatches"]
+    if am is not None and not 1 <= am <= mb:
+        raise _fail("active_microbatches", am, f"an int in [1, microbatches={mb}]",
+                    src.get("active_microbatches", ""))
+    port = v["ddp_port"]
+    if port is not None and not 0 <= port <= 65535:
+        raise _fail("ddp_port", port, _SPEC["ddp_port"][1], src.get("ddp_port", ""))
+
+
+def _master_port(env: Mapping[str, str]) -> Optional[int]:
+    raw = env.get("MASTER_PORT")
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1,
+                   env: Mapping[str, str] = os.environ) -> SMPConfig:
+    """Merge `user` with SM_HP_MP_PARAMETERS from `env` (env wins), validate, fill defaults.
+
+    Raises SMPConfigError (a ValueError) for an invalid configuration and SMPUnsupportedError
+    (a NotImplementedError) for an Adv feature smshim does not implement.
+    """
+    merged = _merge(user, env)
+    _unknown(merged)
+    src = {k: s for k, (_, s) in merged.items()}
+    given = {k: _check_type(k, val, s) for k, (val, s) in merged.items()}
+    defaults = SMPConfig()
+    v: Dict[str, Any] = {k: getattr(defaults, k) for k in KEYS}
+    v["memory_weight"] = v["active_microbatches"] = v["ddp_port"] = None  # derived below
+    v.update(given)
+    explicit = {k for k, val in given.items() if val is not None}
+    _check_ranges(v, src)
+
+    # Dependencies.
+    if not v["auto_partition"] and "default_partition" not in explicit:
+        raise SMPConfigError(
+            "smp config: 'auto_partition'=False needs 'default_partition' (an int in "
+            f"[0, pipeline_parallel_degree={v['pipeline_parallel_degree']})): the partition of "
+            "modules created outside `with smp.partition(i)`. Add it, e.g. \"default_partition\": 0"
+        )
+    for key in ("ddp_port", "ddp_dist_backend"):
+        if key in explicit and not v["ddp"]:
+            raise SMPConfigError(
+                f"smp config: {key!r}={v[key]!r}{_where(src[key])} needs 'ddp'=True; "
+                f"set \"ddp\": true or remove {key!r}"
+            )
+    if v["horovod"] and v["ddp"]:
+        raise SMPConfigError(
+            "smp config: 'horovod'=True cannot be combined with 'ddp'=True; choose one "
+            "(smshim supports 'ddp')"
+        )
+    if v["memory_weight"] is None:
+        v["memory_weight"] = MEMORY_WEIGHT[v["optimize"]]
+    if v["pipeline"] == "simple":
+        if v["active_microbatches"] is None:
+            v["active_microbatches"] = v["microbatches"]
+        elif v["active_microbatches"] != v["microbatches"]:
+            logger.warning(
+                "smp config: pipeline 'simple' needs active_microbatches == microbatches, but "
+                "active_microbatches=%d and microbatches=%d; using pipeline 'interleaved'",
+                v["active_microbatches"], v["microbatches"])
+            v["pipeline"] = "interleaved"
+    if v["active_microbatches"] is None:
+        v["active_microbatches"] = min(v["pipeline_parallel_degree"] + 2, v["microbatches"])
+    if v["ddp_port"] is None:
+        v["ddp_port"] = _master_port(env)
+
+    # Adv features smshim does not implement.
+    for key, what in _UNSUPPORTED.items():
+        if v[key] != getattr(defaults, key):
+            raise SMPUnsupportedError(
+                f"smp config: {key!r}={v[key]!r}{_where(src.get(key, ''))} is not supported by "
+                f"smshim ({what} is not implemented); remove {key!r} or set it to "
+                f"{getattr(defaults, key)!r}"
+            )
+
+    # World size.
+    pp, tp = v["pipeline_parallel_degree"], v["tensor_parallel_degree"]
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SMPConfigError(f"smp config: world size {world_size!r} must be an int >= 1")
+    if world_size % (pp * tp) != 0:
+        raise SMPConfigError(
+            f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
+            f"{pp} x tensor_parallel_degree {tp} = {pp * tp}; launch a multiple of {pp * tp} "
+            "processes or change 'pipeline_parallel_degree'"
+        )
+    if world_size > pp * tp and not v["ddp"]:
+        raise SMPConfigError(
+            f"smp config: world size {world_size} > pipeline_parallel_degree {pp} x "
+            f"tensor_parallel_degree {tp} = {pp * tp} needs data parallelism: set \"ddp\": true "
+            f"(or launch {pp * tp} processes)"
+        )
+    return SMPConfig(**v)
