@@ -94,6 +94,8 @@ class _Bucket:
             self.views.append(self.grads[offset: offset + n].view(params[i].shape))
             offset += n
         self.pending = len(members)  # gradients still to arrive this round
+        # Divide-while-copying per tensor pays off only when the per-call cost is amortised.
+        self.fused_scale = self.numel >= 65536 * len(members)
         self.flags_dirty = False
         self.work: Any = None  # Work (default allreduce) or Future (comm hook)
 
@@ -143,6 +145,7 @@ class GradReducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self._scale = 1.0 / self.world_size
+        self._local_only = self.world_size == 1  # no communication at all
         self._hook: Optional[CommHook] = None
         self._hook_state: Any = None
         self.buckets = self._build_buckets(bucket_cap_mb, first_bucket_mb)
@@ -182,6 +185,7 @@ class GradReducer:
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook={hook!r} is not callable")
         self._hook, self._hook_state = hook, state
+        self._local_only = False  # a hook runs even on one process, as in torch DDP
 
     def prepare_for_backward(self, sync: bool = True, finalize_at_backward_end: bool = True) -> None:
         """Arm (sync=True) or disarm the reduction of the next backward's gradients.
@@ -209,15 +213,14 @@ class GradReducer:
         """
         armed = self._armed
         try:
-            if self.world_size == 1 and self._hook is None:
+            if self._local_only:
                 missing = [i for i in range(len(self.params)) if self._lacks_grad(i, armed)]
                 if missing and not self.find_unused_parameters:
                     raise RuntimeError(self._unused_message({i: 1 for i in missing}))
                 return
             for b in self.buckets[self._next:]:
-                for i in b.members:
-                    if not self._ready[i]:
-                        self._fill(i, lacks=self._lacks_grad(i, armed))
+                self._stage(b, [s for s, i in enumerate(b.members)
+                                if not self._ready[i] and self._lacks_grad(i, armed)])
                 self._launch(b)
             self._next = len(self.buckets)
             hook_flags = self._hook_flags() if self._hook is not None else None
@@ -276,25 +279,30 @@ class GradReducer:
                 b.flags_dirty = False
 
     def _on_grad_ready(self, i: int) -> None:
+        # Runs once per parameter per backward: kept lean (the many-small-tensors case pays it).
         if not self._armed:
             return  # no_sync / unarmed backward: gradients just accumulate locally
-        if self._ready[i]:
+        ready = self._ready
+        if ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} received its gradient twice in one synced backward: "
                 "call forward before each backward (or, for several backward calls per step, "
                 "reduce with finalize() at the end)")
-        self._ready[i] = True
-        if self._auto_finalize and not self._callback_queued:
+        ready[i] = True
+        if not self._callback_queued and self._auto_finalize:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_in_backward)
-        if self.world_size == 1 and self._hook is None:
+        if self._local_only:
             return  # nothing to communicate; only unused parameters are checked at the end
-        self._fill(i, lacks=False)
         b = self._bucket_of[i]
         b.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        if b.pending == 0 and b.index == self._next:
+            buckets = self.buckets
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                b = buckets[self._next]
+                self._stage(b, ())
+                self._launch(b)
+                self._next += 1
 
     def _finalize_in_backward(self) -> None:
         if self._armed:
@@ -306,26 +314,35 @@ class GradReducer:
             return not self._ready[i]  # its hook did not fire: unused in this backward
         return self.params[i].grad is None
 
-    def _fill(self, i: int, lacks: bool) -> None:
-        """Put parameter i's gradient (pre-divided unless a comm hook averages) into its bucket."""
-        b, s = self._bucket_of[i], self._slot[i]
-        view = b.views[s]
-        if lacks:
-            view.zero_()
+    def _stage(self, b: _Bucket, lacking: Sequence[int]) -> None:
+        """Fill bucket b: gradients pre-divided by the group size (unless a comm hook averages);
+        zeros and a flag for the slots in `lacking` (parameters without a gradient here)."""
+        params, views = self.params, b.views
+        scale = self._hook is None
+        grads = [params[i].grad for i in b.members]
+        for s in lacking:
+            grads[s] = None
+            views[s].zero_()
             b.flags[s] = 1
             b.flags_dirty = True
-            return
-        p = self.params[i]
-        g = p.grad
-        if g is view:
-            if self._hook is None:
-                view.mul_(self._scale)
-        elif self._hook is None:
-            torch.mul(g, self._scale, out=view)
+        # "stale": gradients living outside the bucket (no view mode, first step, grads set to None).
+        stale = [s for s, g in enumerate(grads) if g is not None and g is not views[s]]
+        if scale and b.fused_scale and stale:
+            # Few large tensors: divide while copying, one pass over the data (as torch does).
+            for v, g in zip(views, grads):
+                if g is v:
+                    v.mul_(self._scale)
+                elif g is not None:
+                    torch.mul(g, self._scale, out=v)
         else:
-            view.copy_(g)
-        if self.gradient_as_bucket_view and g is not view:
-            p.grad = view
+            # Many small tensors: one batched copy and one division beat a call per tensor.
+            if stale:
+                torch._foreach_copy_([views[s] for s in stale], [grads[s] for s in stale])
+            if scale:
+                b.grads.mul_(self._scale)
+        if self.gradient_as_bucket_view:
+            for s in stale:
+                params[b.members[s]].grad = views[s]
 
     def _launch(self, b: _Bucket) -> None:
         if self._hook is None:

@@ -30,6 +30,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     `device_ids` and `output_device` are accepted for parity: the module must already be on the
     device this rank computes on (as smddp requires), and outputs stay where the module puts them.
+
+    After the first synced backward each `param.grad` is a view into a flat communication bucket
+    (torch DDP's `gradient_as_bucket_view=True`): no copy back after the allreduce and no second
+    copy of the gradients in memory. Setting grads to None (`zero_grad()`) and in-place changes
+    keep working; only `param.grad.detach_()` is refused by torch, as for any view.
     """
 
     def __init__(self, module: torch.nn.Module, device_ids: Optional[Sequence[Any]] = None,
@@ -61,7 +66,8 @@ class DistributedDataParallel(torch.nn.Module):
                 _dist._broadcast_coalesced(self.process_group, states, _BROADCAST_BUCKET_BYTES, 0)
         self._buffers_to_sync = buffers
         self.reducer = GradReducer([p for _, p in named], self.process_group,
-                                   names=[n for n, _ in named], bucket_cap_mb=self.bucket_cap_mb)
+                                   names=[n for n, _ in named], bucket_cap_mb=self.bucket_cap_mb,
+                                   gradient_as_bucket_view=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
