@@ -1,4 +1,4 @@
-"""`smdistributed.modelparallel.torch` (import as `smp`): SageMaker model parallelism v1 on torch.distributed.
+"""`smdistributed.modelparallel.torch` (import as `smp`): SageMaker model parallelism v1.
 
 This file holds initialisation, ranks and groups, object communication and the Adv entry points;
 the pipeline engine (step, DistributedModel, DistributedOptimizer, partitioning, checkpoints) is
@@ -8,8 +8,9 @@ imported at the end.
 (config.py: every rank raises the same error before any collective), brings up the default process
 group (smshim._runtime; `ddp_dist_backend` picks gloo/nccl), computes this rank's placement
 (topology.py) and creates, on every rank in the same order, one dedicated gloo group for smp's
-object collectives and a torch process group for each group kind (groups with identical members share
-one ProcessGroup; WORLD is the default group). The process groups exist whether or not `ddp` is set.
+object collectives and a torch process group for each group kind (groups with identical members
+share one ProcessGroup; WORLD is the default group). They exist whether or not `ddp` is set.
+smp.send/broadcast messages go through the job's c10d store (see comm.py).
 
 Importing this module calls `init()` when SM_HP_MP_PARAMETERS is set and the process was started by
 a launcher (mpirun, torchrun, `smshim run`), unless SMP_MANUAL_INIT=1. A second `init()` only logs.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.util
 import os
 import threading
 from typing import Any, ContextManager, Dict, List, Mapping, Optional
@@ -36,6 +38,7 @@ from smshim.modelparallel.torch.comm import (
     barrier,
     broadcast,
     dp_barrier,
+    drain_at_exit,
     mp_barrier,
     pp_barrier,
     rdp_barrier,
@@ -162,6 +165,8 @@ def init(config: Optional[Mapping[str, Any]] = None) -> None:
                         cfg.tensor_parallel_degree, cfg.placement_strategy)
         groups, object_group, store = _create_groups(topo)
         state._set_initialized(cfg, topo, info, groups, object_group, store)
+        # Runs at interpreter exit and at the end of a multiprocessing child alike.
+        multiprocessing.util.Finalize(None, drain_at_exit, exitpriority=10)
         _init_config = dict(config) if config is not None else None
         logger.info("smp initialised: rank %d/%d pp_rank %d/%d dp_rank %d/%d (placement %s, "
                     "microbatches %d, pipeline %s)", topo.rank, topo.size, topo.pp_rank,
@@ -319,7 +324,7 @@ def model_creation(tensor_parallelism: bool = False, dtype: Optional[torch.dtype
 
 
 def tensor_parallelism(enabled: bool = True, **tensor_parallel_config: Any) -> ContextManager[None]:
-    """Context marking modules for tensor parallelism: only `enabled=False` (a no-op) is supported."""
+    """Context marking modules for tensor parallelism; only `enabled=False` (a no-op) works."""
     if enabled:
         raise _unsupported("smp.tensor_parallelism(enabled=True)", "tensor parallelism")
     return contextlib.nullcontext()

@@ -4,8 +4,8 @@
 rank_type)`; `allgather(obj, group)` and the barriers are collectives over one group kind.
 
 Transport.
-  * send/broadcast -> recv_from: buffered, through the job's c10d store (a key per message,
-    `"{src}>{dst}/{seq}"` under a prefix of its own). `send` returns at once, as an eager MPI send
+  * send/broadcast -> recv_from: buffered, through the job's c10d store (keys
+    `"{src}>{dst}/{seq}"` under a prefix of its own, payloads in chunks of 4 MB). `send` returns at once, as an eager MPI send
     does, so patterns such as "every rank sends, then every rank receives" cannot deadlock;
     per-pair sequence numbers keep messages between two ranks in the order they were sent, and the
     receiver deletes each key once read. (gloo point-to-point is not usable here: a gloo send waits
@@ -71,6 +71,9 @@ class RankType(enum.IntEnum):
 
 # (header tag, payload tag) of the collective messages on the object group.
 _COLL = (201, 202)
+_PENDING = "pending"  # store counter: messages sent and not yet received, job-wide
+# Largest value written to the store at once (TCPStore's server refuses values over 8 MB).
+_CHUNK = 4 << 20
 
 _send_lock = threading.Lock()
 _send_seq: Dict[int, int] = {}
@@ -85,8 +88,8 @@ def _kind(group: Any, what: str) -> CommGroup:
         return CommGroup(int(group))
     except (TypeError, ValueError):
         raise SMPValidationError(
-            f"{what}: {group!r} is not a group; pass an smp.CommGroup (e.g. smp.CommGroup.DP_GROUP) "
-            "or an smp.RankType"
+            f"{what}: {group!r} is not a group; pass an smp.CommGroup "
+            "(e.g. smp.CommGroup.DP_GROUP) or an smp.RankType"
         ) from None
 
 
@@ -150,11 +153,20 @@ def _next_seq(table: Dict[int, int], peer: int) -> int:
 
 
 def _send_payload(payload: bytes, peer: int) -> None:
-    """Deposit `payload` for `peer`; returns at once (buffered), like an eager MPI send."""
+    """Deposit `payload` for `peer`; returns at once (buffered), like an eager MPI send.
+
+    The payload goes in chunks (the store caps one value at 8 MB); the key naming the chunk count
+    is written last, so a receiver that sees it finds every chunk already there.
+    """
     me = state.topology.rank
-    with _send_lock:  # seq and set together, so messages to one peer keep their order
-        seq = _next_seq(_send_seq, peer)
-        state.object_store.set(f"{me}>{peer}/{seq}", payload)
+    store = state.object_store
+    n = max(1, -(-len(payload) // _CHUNK))
+    with _send_lock:  # seq and writes together, so messages to one peer keep their order
+        base = f"{me}>{peer}/{_next_seq(_send_seq, peer)}"
+        for i in range(n):
+            store.set(f"{base}/{i}", payload[i * _CHUNK:(i + 1) * _CHUNK])
+        store.set(base, str(n))
+        store.add(_PENDING, 1)
 
 
 def _recv_payload(peer: int, what: str) -> bytes:
@@ -164,18 +176,49 @@ def _recv_payload(peer: int, what: str) -> bytes:
         lock = _recv_locks.setdefault(peer, threading.Lock())
     with lock:  # seq and read together, so each message is taken exactly once, in order
         seq = _next_seq(_recv_seq, peer)
-        key = f"{peer}>{me}/{seq}"
+        base = f"{peer}>{me}/{seq}"
         try:
-            store.wait([key], datetime.timedelta(seconds=_runtime.timeout_seconds()))
+            store.wait([base], datetime.timedelta(seconds=_runtime.timeout_seconds()))
         except Exception as e:  # noqa: BLE001  (DistStoreError / RuntimeError, by torch version)
             raise SMPRuntimeError(
                 f"{what}: rank {me} waited {_runtime.timeout_seconds():.0f} s (SMSHIM_TIMEOUT) for "
                 f"message {seq} from global rank {peer}; the peer did not call smp.send / "
                 f"smp.broadcast for this rank, or has failed ({e})"
             ) from None
-        payload = store.get(key)
-        store.delete_key(key)
-    return payload
+        n = int(store.get(base))
+        chunks = [store.get(f"{base}/{i}") for i in range(n)]
+        for key in [base] + [f"{base}/{i}" for i in range(n)]:
+            store.delete_key(key)
+        store.add(_PENDING, -1)
+    return b"".join(chunks)
+
+
+def drain_at_exit() -> None:
+    """On rank 0, before the process exits, wait for unreceived smp.send messages to be read.
+
+    Under env:// and mpirun, rank 0's process hosts the store; if it left while messages it
+    (or anyone) sent were still unread, the receivers would lose them. Bounded by SMSHIM_TIMEOUT.
+    """
+    if not state.initialized or state.topology.rank != 0:
+        return
+    try:
+        store = state.object_store
+        pending = store.add(_PENDING, 0)
+        if pending <= 0:
+            return
+        limit = _runtime.timeout_seconds()
+        logger.warning("smp: %d smp.send/broadcast message(s) not yet received; rank 0 hosts the "
+                       "store holding them and waits up to %.0f s before exiting", pending, limit)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            pending = store.add(_PENDING, 0)
+            if pending <= 0:
+                return
+        logger.error("smp: %d smp.send/broadcast message(s) were never received (no matching "
+                     "smp.recv_from)", pending)
+    except Exception:  # noqa: BLE001  (peers or store already gone: nothing left to protect)
+        return
 
 
 def _header(n: int) -> torch.Tensor:

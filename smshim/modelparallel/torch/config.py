@@ -24,7 +24,7 @@ Dependencies and the choices made where SPEC leaves room:
     microbatches. If it is given explicitly and differs, the pipeline is switched to "interleaved"
     and a warning says so (SPEC §2 "Schedules"); an active_microbatches outside
     [1, microbatches] is an error either way.
-  * memory_weight defaults to 0.8 with optimize "memory" and 0.2 with "speed"; an explicit value wins.
+  * memory_weight defaults to 0.8 with optimize "memory", 0.2 with "speed"; an explicit value wins.
   * active_microbatches defaults to min(pipeline_parallel_degree + 2, microbatches).
   * ddp_port defaults to MASTER_PORT (None when unset); it must be in [0, 65535].
   * world size: `size % (pp * tp) != 0` is an error; size > pp * tp needs ddp.
@@ -114,7 +114,7 @@ _SPEC: Dict[str, Tuple[str, str]] = {
     "microbatches": ("int", "an int >= 1"),
     "pipeline": ("choice", "one of 'interleaved', 'simple'"),
     "optimize": ("choice", "one of 'speed', 'memory'"),
-    "placement_strategy": ("placement", "'cluster', 'spread' or a permutation of the letters D, P, T"),
+    "placement_strategy": ("placement", "'cluster', 'spread' or a permutation of D, P, T"),
     "auto_partition": ("bool", "a bool"),
     "default_partition": ("int", "an int in [0, pipeline_parallel_degree)"),
     "memory_weight": ("float", "a number in [0, 1]"),
@@ -195,7 +195,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
         return int(value)
     if kind == "bool":
         if not isinstance(value, bool):
-            raise _fail(key, value, f"{allowed}, true or false (got a {type(value).__name__})", source)
+            raise _fail(key, value, f"{allowed}, true or false (got a {type(value).__name__})",
+                        source)
         return value
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -283,7 +284,8 @@ def _check_ranges(v: Dict[str, Any], src: Dict[str, str]) -> None:
     pp = v["pipeline_parallel_degree"]
     if not 0 <= v["default_partition"] < pp:
         raise _fail("default_partition", v["default_partition"],
-                    f"an int in [0, pipeline_parallel_degree={pp})", src.get("default_partition", ""))
+                    f"an int in [0, pipeline_parallel_degree={pp})",
+                    src.get("default_partition", ""))
     mw = v["memory_weight"]
     if mw is not None and not 0.0 <= mw <= 1.0:
         raise _fail("memory_weight", mw, _SPEC["memory_weight"][1], src.get("memory_weight", ""))

@@ -101,7 +101,7 @@ class State:
 
     @property
     def object_group(self) -> "dist.ProcessGroup":
-        """The dedicated gloo world group carrying smp's object messages (smp.send, allgather...)."""
+        """The dedicated gloo world group carrying smp.allgather and the smp barriers."""
         require_init("smp object communication")
         return self._object_group
 

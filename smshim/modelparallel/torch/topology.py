@@ -53,7 +53,8 @@ def placement_order(placement: str) -> str:
     order = _NAMED.get(placement.lower(), placement.upper())
     if sorted(order) != ["D", "P", "T"]:
         raise ValueError(
-            f"placement_strategy {placement!r} must be 'cluster', 'spread' or a permutation of D, P, T"
+            f"placement_strategy {placement!r} must be 'cluster', 'spread' or a permutation "
+            "of D, P, T"
         )
     return order
 

@@ -1,0 +1,330 @@
+"""smp configuration (SPEC §3) and initialisation: resolve_config in-process, the same bad configs
+through smp.init on 2 ranks, SM_HP_MP_PARAMETERS merge, second init, reset, state, Adv rejections."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+import smshim.modelparallel.torch as smp
+from smshim.modelparallel.torch.config import SMPConfig, SMPConfigError, resolve_config
+from smshim.modelparallel.torch.errors import SMPNotInitializedError, SMPUnsupportedError
+from smshim.testing import run_ranks
+
+ENV = "SM_HP_MP_PARAMETERS"
+
+# (case id, init config, SM_HP_MP_PARAMETERS value or None, exception type, words the message
+# must contain). World size 2 throughout, so every case is valid except for its one fault.
+BAD = [
+    ("unknown-key", {"microbatch": 4, "ddp": True}, None, SMPConfigError, ["'microbatch'", "microbatches"]),
+    ("unknown-key-env", {"ddp": True}, '{"pipline": "simple"}', SMPConfigError, ["'pipline'", ENV]),
+    ("env-not-json", {"ddp": True}, "{partitions: 2", SMPConfigError, [ENV, "JSON"]),
+    ("env-not-object", {"ddp": True}, "[2]", SMPConfigError, [ENV, "JSON object"]),
+    ("config-not-dict", [("partitions", 2)], None, SMPConfigError, ["dict"]),
+    ("type-str", {"microbatches": "4", "ddp": True}, None, SMPConfigError, ["'microbatches'", "'4'", "int"]),
+    ("type-bool-for-int", {"microbatches": True, "ddp": True}, None, SMPConfigError, ["'microbatches'", "True", "bool"]),
+    ("type-float-for-int", {"pipeline_parallel_degree": 2.0}, None, SMPConfigError, ["'pipeline_parallel_degree'", "2.0"]),
+    ("type-int-for-bool", {"ddp": 1}, None, SMPConfigError, ["'ddp'", "bool"]),
+    ("type-str-for-float", {"memory_weight": "0.5", "ddp": True}, None, SMPConfigError, ["'memory_weight'", "number"]),
+    ("range-microbatches", {"microbatches": 0, "ddp": True}, None, SMPConfigError, ["'microbatches'", ">= 1"]),
+    ("choice-pipeline", {"pipeline": "gpipe", "ddp": True}, None, SMPConfigError, ["'pipeline'", "'gpipe'", "'interleaved'", "'simple'"]),
+    ("choice-optimize", {"optimize": "fast", "ddp": True}, None, SMPConfigError, ["'optimize'", "'speed'", "'memory'"]),
+    ("choice-placement", {"placement_strategy": "DPP", "ddp": True}, None, SMPConfigError, ["'placement_strategy'", "'DPP'", "cluster"]),
+    ("choice-backend", {"ddp_dist_backend": "mpi", "ddp": True}, None, SMPConfigError, ["'ddp_dist_backend'", "'mpi'", "'gloo'"]),
+    ("range-memory-weight", {"memory_weight": 1.5, "ddp": True}, None, SMPConfigError, ["'memory_weight'", "1.5", "[0, 1]"]),
+    ("range-active", {"microbatches": 4, "active_microbatches": 5, "ddp": True}, None, SMPConfigError, ["'active_microbatches'", "5", "microbatches=4"]),
+    ("range-default-partition", {"partitions": 2, "auto_partition": False, "default_partition": 2}, None, SMPConfigError, ["'default_partition'", "2", "[0, pipeline_parallel_degree=2)"]),
+    ("range-ddp-port", {"ddp": True, "ddp_port": 70000}, None, SMPConfigError, ["'ddp_port'", "70000", "65535"]),
+    ("range-horizon", {"ddp": True, "activation_loading_horizon": 0}, None, SMPConfigError, ["'activation_loading_horizon'"]),
+    ("dep-default-partition", {"partitions": 2, "auto_partition": False}, None, SMPConfigError, ["'auto_partition'", "'default_partition'"]),
+    ("dep-ddp-port", {"partitions": 2, "ddp_port": 29999}, None, SMPConfigError, ["'ddp_port'", "29999", "'ddp'"]),
+    ("dep-ddp-backend", {"partitions": 2, "ddp_dist_backend": "gloo"}, None, SMPConfigError, ["'ddp_dist_backend'", "'gloo'", "'ddp'"]),
+    ("dep-horovod-ddp", {"horovod": True, "ddp": True}, None, SMPConfigError, ["'horovod'", "'ddp'"]),
+    ("alias-conflict", {"partitions": 2, "pipeline_parallel_degree": 1}, None, SMPConfigError, ["'partitions'=2", "'pipeline_parallel_degree'=1"]),
+    ("alias-conflict-env", {"ddp": True}, '{"partitions": 2, "pipeline_parallel_degree": 1}', SMPConfigError, ["'partitions'", "'pipeline_parallel_degree'", ENV]),
+    ("world-not-divisible", {"partitions": 4}, None, SMPConfigError, ["world size 2", "pipeline_parallel_degree 4", "divisible"]),
+    ("world-needs-ddp", {}, None, SMPConfigError, ["world size 2", "= 1", "ddp"]),
+    ("world-needs-ddp-env", {"ddp": True}, '{"ddp": false}', SMPConfigError, ["world size 2", "ddp"]),
+    ("adv-tp", {"tensor_parallel_degree": 2}, None, SMPUnsupportedError, ["'tensor_parallel_degree'", "2", "tensor parallelism"]),
+    ("adv-fp16", {"partitions": 2, "fp16": True}, None, SMPUnsupportedError, ["'fp16'", "True"]),
+    ("adv-bf16", {"partitions": 2, "bf16": True}, None, SMPUnsupportedError, ["'bf16'"]),
+    ("adv-fp16-params", {"partitions": 2, "fp16_params": True}, None, SMPUnsupportedError, ["'fp16_params'"]),
+    ("adv-horovod", {"partitions": 2, "horovod": True}, None, SMPUnsupportedError, ["'horovod'"]),
+    ("adv-shard", {"ddp": True, "shard_optimizer_state": True}, None, SMPUnsupportedError, ["'shard_optimizer_state'"]),
+    ("adv-offload", {"ddp": True, "offload_activations": True}, None, SMPUnsupportedError, ["'offload_activations'"]),
+    ("adv-delayed", {"ddp": True, "delayed_parameter_initialization": True}, None, SMPUnsupportedError, ["'delayed_parameter_initialization'"]),
+    ("adv-sdp", {"ddp": True, "sharded_data_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'"]),
+    ("adv-env", {"ddp": True}, '{"fp16": true}', SMPUnsupportedError, ["'fp16'", ENV]),
+]
+assert len(BAD) >= 15
+
+
+def _env(raw):
+    return {} if raw is None else {ENV: raw}
+
+
+# resolve_config in-process -------------------------------------------------------------------------
+@pytest.mark.parametrize("case,config,env,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_in_process(case, config, env, exc, words):
+    with pytest.raises(exc) as info:
+        resolve_config(config, 2, env=_env(env))
+    for w in words:
+        assert w in str(info.value), (case, str(info.value))
+    if exc is SMPConfigError:
+        assert isinstance(info.value, ValueError)
+    else:
+        assert isinstance(info.value, NotImplementedError)
+
+
+def test_defaults():
+    cfg = resolve_config(None, 1, env={})
+    assert cfg == SMPConfig()
+    assert cfg.pipeline_parallel_degree == cfg.partitions == 1
+    assert cfg.microbatches == 1 and cfg.pipeline == "interleaved" and cfg.optimize == "speed"
+    assert cfg.placement_strategy == "cluster" and cfg.auto_partition and cfg.default_partition == 0
+    assert cfg.memory_weight == 0.2 and cfg.active_microbatches == 1
+    assert cfg.ddp is False and cfg.ddp_port is None and cfg.ddp_dist_backend == "auto"
+    assert not (cfg.fp16 or cfg.bf16 or cfg.shard_optimizer_state or cfg.prescaled_batch)
+    assert cfg.tensor_parallel_degree == 1 and cfg.sharded_data_parallel_degree == 1
+
+
+def test_derived_defaults():
+    assert resolve_config({"optimize": "memory"}, 1, env={}).memory_weight == 0.8
+    assert resolve_config({"optimize": "speed"}, 1, env={}).memory_weight == 0.2
+    assert resolve_config({"optimize": "memory", "memory_weight": 0.3}, 1, env={}).memory_weight == 0.3
+    assert resolve_config({"memory_weight": None}, 1, env={}).memory_weight == 0.2
+    assert resolve_config({"partitions": 2, "microbatches": 8}, 2, env={}).active_microbatches == 4
+    assert resolve_config({"partitions": 2, "microbatches": 3}, 2, env={}).active_microbatches == 3
+    assert resolve_config({"partitions": 4, "microbatches": 16}, 4, env={}).active_microbatches == 6
+    assert resolve_config({"ddp": True}, 2, env={"MASTER_PORT": "29411"}).ddp_port == 29411
+
+
+def test_json_int_for_float_and_numeric_types():
+    cfg = resolve_config(None, 1, env={ENV: '{"memory_weight": 1, "microbatches": 2}'})
+    assert cfg.memory_weight == 1.0 and isinstance(cfg.memory_weight, float)
+    assert resolve_config({"memory_weight": 0}, 1, env={}).memory_weight == 0.0
+
+
+def test_simple_pipeline():
+    cfg = resolve_config({"pipeline": "simple", "microbatches": 8, "partitions": 2}, 2, env={})
+    assert cfg.pipeline == "simple" and cfg.active_microbatches == 8
+    cfg = resolve_config({"pipeline": "simple", "microbatches": 8, "active_microbatches": 8},
+                         1, env={})
+    assert cfg.pipeline == "simple"
+
+
+def test_simple_with_fewer_active_switches_to_interleaved(caplog):
+    with caplog.at_level(logging.WARNING, logger="smshim.modelparallel.torch.config"):
+        cfg = resolve_config({"pipeline": "simple", "microbatches": 8, "active_microbatches": 3},
+                             1, env={})
+    assert cfg.pipeline == "interleaved" and cfg.active_microbatches == 3
+    assert any("interleaved" in r.getMessage() and "active_microbatches=3" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_alias_and_merge():
+    assert resolve_config({"partitions": 2}, 2, env={}).pipeline_parallel_degree == 2
+    assert resolve_config({"partitions": 2, "pipeline_parallel_degree": 2}, 2,
+                          env={}).pipeline_parallel_degree == 2
+    # The environment wins over the init() dict, key by key, alias or not.
+    env = {ENV: json.dumps({"partitions": 4, "microbatches": 8})}
+    cfg = resolve_config({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}, 8, env=env)
+    assert (cfg.pipeline_parallel_degree, cfg.microbatches, cfg.ddp) == (4, 8, True)
+    env = {ENV: json.dumps({"ddp": True})}
+    assert resolve_config({"ddp": False}, 2, env=env).ddp is True
+    assert resolve_config(None, 1, env={ENV: ""}) == SMPConfig()
+
+
+def test_accepted_adv_values():
+    cfg = resolve_config({"prescaled_batch": True, "skip_tracing": True, "contiguous": False,
+                          "tensor_parallel_seed": 7, "activation_loading_horizon": 8,
+                          "tensor_parallel_degree": 1, "fp16": False, "bf16": False,
+                          "sharded_data_parallel_degree": 1, "horovod": False,
+                          "deterministic_server": True, "placement_strategy": "tpd",
+                          "auto_partition": True, "default_partition": 0}, 1, env={})
+    assert cfg.prescaled_batch and cfg.skip_tracing and not cfg.contiguous
+    assert cfg.tensor_parallel_seed == 7 and cfg.activation_loading_horizon == 8
+    assert cfg.placement_strategy == "TPD" and cfg.deterministic_server
+
+
+def test_world_size_errors_name_the_numbers():
+    with pytest.raises(SMPConfigError, match=r"world size 6 .* pipeline_parallel_degree 4"):
+        resolve_config({"partitions": 4, "ddp": True}, 6, env={})
+    with pytest.raises(SMPConfigError, match=r"world size 8 > pipeline_parallel_degree 4"):
+        resolve_config({"partitions": 4}, 8, env={})
+    assert resolve_config({"partitions": 4, "ddp": True}, 8, env={}).ddp
+
+
+# Before init, Adv entry points (in-process: this process never initialises smp) --------------------
+def test_before_init_errors():
+    assert not smp.is_initialized()
+    for fn in (smp.rank, smp.size, smp.local_rank, smp.pp_rank, smp.dp_size, smp.rdp_rank,
+               smp.mp_size, smp.tp_rank, smp.get_pp_group, smp.get_dp_process_group,
+               smp.num_microbatches, smp.barrier):
+        with pytest.raises(SMPNotInitializedError, match="smp.init"):
+            fn()
+    with pytest.raises(SMPNotInitializedError, match="smp.init"):
+        smp.allgather(1, smp.DP_GROUP)
+    with pytest.raises(SMPNotInitializedError, match="smp.state.cfg"):
+        smp.state.cfg.fp16
+
+
+def test_adv_entry_points():
+    with smp.tensor_parallelism(enabled=False), smp.delay_param_initialization(enabled=False), \
+            smp.model_creation(tensor_parallelism=False, dtype=torch.float32):
+        layer = torch.nn.Linear(2, 2)
+    smp.set_tensor_parallelism(layer, enabled=False)
+    for call, name in [
+        (lambda: smp.tensor_parallelism(), "smp.tensor_parallelism"),
+        (lambda: smp.delay_param_initialization(), "smp.delay_param_initialization"),
+        (lambda: smp.model_creation(tensor_parallelism=True), "smp.model_creation"),
+        (lambda: smp.model_creation(dtype=torch.float16), "dtype=torch.float16"),
+        (lambda: smp.set_tensor_parallelism(layer), "smp.set_tensor_parallelism"),
+        (lambda: smp.set_activation_checkpointing(layer), "smp.set_activation_checkpointing"),
+        (lambda: smp.nn.DistributedTransformerLMHead(num_layers=2), "DistributedTransformerLMHead"),
+        (lambda: smp.nn.DistributedLinear(2, 2), "DistributedLinear"),
+        (lambda: smp.nn.DistributedEmbedding(10, 2), "DistributedEmbedding"),
+    ]:
+        with pytest.raises(NotImplementedError, match=name):
+            call()
+    assert issubclass(smp.nn.DistributedTransformer, torch.nn.Module)
+
+
+def test_error_classes():
+    assert issubclass(smp.SMPConfigError, ValueError) and issubclass(smp.SMPConfigError, smp.SMPError)
+    assert issubclass(smp.TensorSplitError, ValueError)
+    assert issubclass(smp.FwdExecutionNotInStepFnError, RuntimeError)
+    assert issubclass(smp.BwdExecutionNotInStepFnError, RuntimeError)
+    for cls in (smp.SMPValidationError, smp.MultipleDistributedModelError,
+                smp.InvalidPartitionIDError, smp.SMPRuntimeError, smp.SMPUnsupportedError):
+        assert issubclass(cls, smp.SMPError)
+    assert smp.errors.SMPConfigError is SMPConfigError
+
+
+def test_aliases():
+    import smdistributed.modelparallel.torch as sm
+
+    assert sm is smp
+    assert smp.WORLD == smp.CommGroup.WORLD == 0 and smp.MP_GROUP == 5 and smp.DP_GROUP == 4
+    assert [g.name for g in smp.CommGroup] == ["WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP",
+                                               "DP_GROUP", "MP_GROUP"]
+    assert smp.PP_RANK is smp.RankType.PP_RANK and smp.WORLD_RANK == 0
+
+
+# Through smp.init on 2 ranks ------------------------------------------------------------------------
+def _bad_configs_rank(cases):
+    import os
+
+    import torch.distributed as dist
+
+    import smshim.modelparallel.torch as smp
+
+    out = []
+    for case, config, env, _, _ in cases:
+        os.environ.pop(ENV, None)
+        if env is not None:
+            os.environ[ENV] = env
+        t0 = time.monotonic()
+        try:
+            smp.init(config)
+        except Exception as e:  # noqa: BLE001
+            out.append((case, type(e).__name__, str(e), time.monotonic() - t0,
+                        dist.is_initialized(), smp.is_initialized()))
+        else:
+            out.append((case, None, "no error", 0.0, dist.is_initialized(), smp.is_initialized()))
+            break
+    # nccl on a host without CUDA fails in init(), still before any collective.
+    os.environ.pop(ENV, None)
+    try:
+        smp.init({"ddp": True, "ddp_dist_backend": "nccl"})
+    except Exception as e:  # noqa: BLE001
+        out.append(("nccl-no-cuda", type(e).__name__, str(e), 0.0, dist.is_initialized(),
+                    smp.is_initialized()))
+    # The ranks are still in step: a valid init and a collective work.
+    smp.init({"ddp": True})
+    return out, smp.allgather(smp.rank(), smp.WORLD)
+
+
+def test_bad_configs_through_init_on_every_rank():
+    results = run_ranks(_bad_configs_rank, 2, BAD, timeout=120)
+    (r0, g0), (r1, g1) = results
+    assert g0 == g1 == [0, 1]
+    assert [x[:3] for x in r0] == [x[:3] for x in r1]  # identical errors on every rank
+    assert len(r0) == len(BAD) + (0 if torch.cuda.is_available() else 1)
+    for (case, _, env, exc, words), (got_case, got_type, msg, elapsed, dist_up, smp_up) in zip(BAD, r0):
+        assert got_case == case
+        assert got_type == exc.__name__, (case, msg)
+        for w in words:
+            assert w in msg, (case, msg)
+        assert elapsed < 5.0, (case, elapsed)
+        assert not dist_up and not smp_up, case  # raised before any process group existed
+    if not torch.cuda.is_available():
+        case, typ, msg, _, dist_up, _ = r0[-1]
+        assert case == "nccl-no-cuda" and typ == "SMPConfigError" and "'ddp_dist_backend'" in msg
+        assert not dist_up
+
+
+# Init behaviour -----------------------------------------------------------------------------------
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append((record.levelname, record.getMessage()))
+
+
+def _init_behaviour_rank():
+    import smshim.modelparallel.torch as smp
+
+    handler = _Records()
+    log = logging.getLogger("smshim.modelparallel.torch")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    calls = []
+    smp.state.register_reset_callback(lambda: calls.append("reset"))
+    smp.init({"microbatches": 2, "pipeline_parallel_degree": 1, "ddp": True, "prescaled_batch": True})
+    cfg = smp.state.cfg
+    seen = {
+        "initialized": smp.is_initialized(),
+        "cfg": (cfg.microbatches, cfg.pipeline_parallel_degree, cfg.ddp, cfg.fp16, cfg.bf16,
+                cfg.prescaled_batch, cfg.shard_optimizer_state, cfg.partitions,
+                cfg.active_microbatches),
+        "num_microbatches": smp.num_microbatches(),
+        "translate": list(smp.state.module_manager.translate_functions),
+    }
+    n_before = len(handler.messages)
+    smp.init()
+    smp.init({"microbatches": 8})
+    seen["second_init_logs"] = handler.messages[n_before:]
+    seen["cfg_after_second"] = smp.state.cfg.microbatches
+    smp.state.model, smp.state.optimizer, smp.state.microbatch = object(), object(), 3
+    smp.state.module_manager.translate_functions.append(len)
+    smp.reset()
+    seen["after_reset"] = (smp.state.model, smp.state.optimizer, smp.state.microbatch,
+                           smp.state.module_manager.translate_functions, calls,
+                           smp.is_initialized(), smp.state.cfg.microbatches)
+    seen["still_works"] = smp.allgather(smp.rank(), smp.WORLD)
+    log.removeHandler(handler)
+    return seen
+
+
+def test_env_merge_second_init_reset_and_state():
+    env = {ENV: json.dumps({"microbatches": 4, "partitions": 2})}
+    results = run_ranks(_init_behaviour_rank, 2, env=env, timeout=90)
+    for seen in results:
+        assert seen["initialized"]
+        # SM_HP_MP_PARAMETERS overrides the init() dict: microbatches 4 and pp 2 (alias).
+        assert seen["cfg"] == (4, 2, True, False, False, True, False, 2, 4)
+        assert seen["num_microbatches"] == 4 and seen["translate"] == []
+        logs = seen["second_init_logs"]
+        assert len(logs) == 2
+        assert logs[0][0] == "INFO" and "already initialised" in logs[0][1]
+        assert logs[1][0] == "WARNING" and "ignored" in logs[1][1] and "'microbatches': 8" in logs[1][1]
+        assert seen["cfg_after_second"] == 4
+        assert seen["after_reset"] == (None, None, 0, [], ["reset"], True, 4)
+        assert seen["still_works"] == [0, 1]
