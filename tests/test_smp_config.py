@@ -275,7 +275,8 @@ class _Records(logging.Handler):
         self.messages = []
 
     def emit(self, record):
-        self.messages.append((record.levelname, record.getMessage()))
+        if record.name == "smshim.modelparallel.torch":  # init's own messages
+            self.messages.append((record.levelname, record.getMessage()))
 
 
 def _init_behaviour_rank():
@@ -299,7 +300,8 @@ def _init_behaviour_rank():
     }
     n_before = len(handler.messages)
     smp.init()
-    smp.init({"microbatches": 8})
+    smp.init({"microbatches": 2, "ddp": True, "prescaled_batch": True})  # resolves the same
+    smp.init({"microbatches": 8, "prescaled_batch": False})
     seen["second_init_logs"] = handler.messages[n_before:]
     seen["cfg_after_second"] = smp.state.cfg.microbatches
     smp.state.model, smp.state.optimizer, smp.state.microbatch = object(), object(), 3
@@ -322,9 +324,13 @@ def test_env_merge_second_init_reset_and_state():
         assert seen["cfg"] == (4, 2, True, False, False, True, False, 2, 4)
         assert seen["num_microbatches"] == 4 and seen["translate"] == []
         logs = seen["second_init_logs"]
-        assert len(logs) == 2
-        assert logs[0][0] == "INFO" and "already initialised" in logs[0][1]
-        assert logs[1][0] == "WARNING" and "ignored" in logs[1][1] and "'microbatches': 8" in logs[1][1]
+        assert len(logs) == 3
+        assert logs[0][0] == logs[1][0] == "INFO" and "already initialised" in logs[1][1]
+        # microbatches=8 loses to the environment's 4 anyway; prescaled_batch would change.
+        assert logs[2][0] == "WARNING" and "ignored" in logs[2][1]
+        changes = logs[2][1].split("would have set")[1]
+        assert "prescaled_batch=False" in changes and "ddp=False" in changes
+        assert "microbatches" not in changes
         assert seen["cfg_after_second"] == 4
         assert seen["after_reset"] == (None, None, 0, [], ["reset"], True, 4)
         assert seen["still_works"] == [0, 1]

@@ -137,18 +137,32 @@ def _create_groups(topo: Topology) -> tuple:
     return groups, object_group, store
 
 
+def _log_second_init(config: Optional[Mapping[str, Any]]) -> None:
+    """A second init() changes nothing; say so, louder if its config would have differed."""
+    differs = ""
+    if config is not None:
+        try:
+            wanted = resolve_config(config, state.topology.size)
+            differs = ", ".join(f"{k}={getattr(wanted, k)!r}"
+                                for k in SMPConfig.__dataclass_fields__
+                                if getattr(wanted, k) != getattr(state.cfg, k))
+        except (SMPConfigError, SMPUnsupportedError) as e:
+            differs = f"an invalid config ({e})"
+    if differs:
+        logger.warning(
+            "smp.init(%r) ignored: smp is already initialised (from %s), and this config would "
+            "have set %s. Set SMP_MANUAL_INIT=1 to initialise from the script's smp.init(config).",
+            dict(config), "smp.init" if _init_config is not None else ENV_VAR, differs)
+    else:
+        logger.info("smp.init() called again: smp is already initialised")
+
+
 def init(config: Optional[Mapping[str, Any]] = None) -> None:
     """Initialise smp: merge and validate the config, bring up the process groups."""
     global _init_config
     with _init_lock:
         if state.initialized:
-            if config is not None and dict(config) != (_init_config or {}):
-                logger.warning(
-                    "smp.init(%r) ignored: smp is already initialised (config %s). Set "
-                    "SMP_MANUAL_INIT=1 to initialise from the script's own smp.init(config).",
-                    dict(config), _init_config or f"from {ENV_VAR}")
-            else:
-                logger.info("smp.init() called again: smp is already initialised")
+            _log_second_init(config)
             return
         info = _runtime.detect_launch()
         world = dist.get_world_size() if dist.is_initialized() else info.world_size

@@ -30,6 +30,7 @@ import datetime
 import enum
 import io
 import logging
+import operator
 import threading
 import time
 from typing import Any, Dict, List, Sequence
@@ -97,13 +98,16 @@ def _member(rank_in_group: Any, rank_type: Any, what: str) -> int:
     """The global rank of `rank_in_group` within this rank's group of `rank_type`."""
     kind = _kind(rank_type, what)
     members = state.topology.group(kind)
-    if isinstance(rank_in_group, bool) or not isinstance(rank_in_group, int) \
-            or not 0 <= rank_in_group < len(members):
+    try:
+        index = None if isinstance(rank_in_group, bool) else operator.index(rank_in_group)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < len(members):
         raise SMPValidationError(
             f"{what}: rank {rank_in_group!r} is not in this rank's {kind.name} "
             f"(size {len(members)}, global ranks {members})"
         )
-    peer = members[rank_in_group]
+    peer = members[index]
     if peer == state.topology.rank:
         raise SMPValidationError(
             f"{what}: rank {rank_in_group} of {kind.name} is this rank itself "
@@ -163,10 +167,10 @@ def _send_payload(payload: bytes, peer: int) -> None:
     n = max(1, -(-len(payload) // _CHUNK))
     with _send_lock:  # seq and writes together, so messages to one peer keep their order
         base = f"{me}>{peer}/{_next_seq(_send_seq, peer)}"
+        store.add(_PENDING, 1)  # before the message is visible, so the count never runs short
         for i in range(n):
             store.set(f"{base}/{i}", payload[i * _CHUNK:(i + 1) * _CHUNK])
         store.set(base, str(n))
-        store.add(_PENDING, 1)
 
 
 def _recv_payload(peer: int, what: str) -> bytes:
