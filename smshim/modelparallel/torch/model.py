@@ -80,11 +80,11 @@ class DistributedModel(nn.Module):
         self._timeline = _timeline_from_env(topo.rank)
         self._group = None
         if self._pp_size > 1:
-            # A process group for pipeline messages only (nothing else's tags on it). Every rank
-            # creates every PP group's, in the same order.
+            # A gloo group for pipeline messages only (nothing else's tags on it; gloo because
+            # the transport stages tensors through CPU memory). Every rank creates every PP
+            # group's, in the same order.
             for ranks in topo.all_groups(CommGroup.PP_GROUP):
-                g = dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo"
-                                   if self._device.type == "cpu" else None)
+                g = dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo")
                 if topo.rank in ranks:
                     self._group, self._pp_ranks = g, list(ranks)
         else:
@@ -166,8 +166,7 @@ class DistributedModel(nn.Module):
             raise FwdExecutionNotInStepFnError(
                 "with pipeline_parallel_degree > 1 the DistributedModel can only be called inside "
                 "an @smp.step function")
-        with self._timeline.span("<root>", "forward", microbatch=ctx.microbatch, step=ctx.step):
-            return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Replaces `loss.backward()` inside an @smp.step function."""

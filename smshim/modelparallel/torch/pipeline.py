@@ -6,9 +6,10 @@ run its backward. The other ranks serve requests (server.py) until pp_rank 0 sen
 the step's outputs; then every rank closes the step with its peers (transport.py).
 
 Thread roles on pp_rank 0: the caller's thread admits microbatches and waits; one worker per
-microbatch in flight runs the body (holding the compute lock except while waiting on the
-network); transport threads move messages; server threads answer peers' calls into rank 0's
-modules.
+microbatch in flight runs the body and the root module's forward, which is glue code and holds no
+lock (so replies are relayed at once); the root's children run as regions under the compute lock
+(server.py), like requests; transport threads move messages; server threads answer peers' calls
+into rank 0's modules.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
+from .scheduler import ComputeLock, Schedule, make_schedule
 from .server import ModuleServer, ctx, fill, flatten
 from .timeline import Timeline
 from .transport import STEP_END, Message, PipelineError, Transport
@@ -73,9 +74,8 @@ class Pipeline:
             ctx.step, ctx.microbatch, ctx.in_step, ctx.forward_done = step, mb, True, False
             state.microbatch = mb
             try:
-                with self.lock.hold(schedule.priority(FORWARD, mb)):
-                    args, kwargs = mb_inputs[mb]
-                    results[mb] = fn(*args, **kwargs)
+                args, kwargs = mb_inputs[mb]
+                results[mb] = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(
@@ -119,26 +119,23 @@ class Pipeline:
         backward with backward priority (remote parts run on their owners)."""
         schedule = self._schedule
         mb = ctx.microbatch
-        self.lock.release()
-        try:
-            deadline = time.monotonic() + self.timeout_s
-            with self._cond:
-                if not ctx.forward_done:
-                    ctx.forward_done = True
-                    self._forwards_done += 1
-                    self._cond.notify_all()
-                while not schedule.may_start_backward(self._forwards_done):
-                    self.transport.check()
-                    if time.monotonic() > deadline:
-                        raise PipelineError(
-                            f"microbatch {mb} waited {self.timeout_s:.0f} s to start its backward: "
-                            f"only {self._forwards_done} of {schedule.microbatches} forwards "
-                            "finished (does every microbatch call model.backward?)")
-                    self._cond.wait(timeout=1.0)
-        finally:
-            self.lock.acquire(schedule.priority(BACKWARD, mb))
-        with self.timeline.span("<root>", "backward", microbatch=mb, step=ctx.step):
-            torch.autograd.backward(tensors, grad_tensors)
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            if not ctx.forward_done:
+                ctx.forward_done = True
+                self._forwards_done += 1
+                self._cond.notify_all()
+            while not schedule.may_start_backward(self._forwards_done):
+                self.transport.check()
+                if time.monotonic() > deadline:
+                    raise PipelineError(
+                        f"microbatch {mb} waited {self.timeout_s:.0f} s to start its backward: "
+                        f"only {self._forwards_done} of {schedule.microbatches} forwards "
+                        "finished (does every microbatch call model.backward?)")
+                self._cond.wait(timeout=1.0)
+        # The root's own glue runs lock-free; its modules take the compute lock in their regions
+        # (and record their own timeline spans).
+        torch.autograd.backward(tensors, grad_tensors)
 
     # ---- other pp ranks -----------------------------------------------------------------------
     def serve(self) -> List[Any]:

@@ -161,17 +161,27 @@ class ModuleServer:
         self._ids = itertools.count()
         self._pending: Dict[int, "queue.Queue[Message]"] = {}
         self._pending_lock = threading.Lock()
-        self._saved: Dict[Tuple[int, int], tuple] = {}  # (caller, call id) -> (inputs, outputs)
+        self._saved: Dict[Tuple[int, int], tuple] = {}  # (caller, call id) -> (inputs, outputs, mb)
+        self.peak_live_microbatches = 0
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"smp-serve-{pp_rank}")
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
+        self._real_forward: Dict[str, Callable[..., Any]] = {}
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
+        """Route calls: modules owned elsewhere go to their owner; on pp_rank 0, the modules the
+        root's glue code calls directly become local regions, so that glue (which runs in the
+        microbatch threads) never holds the compute lock and relays replies without waiting."""
+        for name, module in self.modules.items():
+            self._real_forward.setdefault(name, module.forward)
+        regions = set(_glue_callees(self.root, self.assignment)) if self.me == 0 else set()
         for name, owner in self.assignment.items():
-            if owner != self.me and name in self.modules:
-                module = self.modules[name]
+            module = self.modules.get(name)
+            if module is None or name == "":
+                continue
+            if owner != self.me or name in regions:
                 module.forward = _make_proxy(self, name, owner)
                 self._proxies.append(module)
 
@@ -252,6 +262,13 @@ class ModuleServer:
         return fill(call.out_template, outputs)
 
     def _remote_forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
+        if call.owner == self.me:  # a local region: the same path, without the network
+            call.call_id = next(self._ids)
+            out_template, outs, out_rg = self._execute_forward(
+                self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
+                list(tensors), call.input_requires_grad, grad_enabled)
+            call.out_template, call.out_requires_grad = out_template, out_rg
+            return [t.detach() for t in outs]
         call_id, box = self._new_box()
         call.call_id = call_id
         try:
@@ -266,6 +283,10 @@ class ModuleServer:
         return reply.tensors
 
     def _remote_backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
+        if call.owner == self.me:
+            in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
+                                              call.microbatch, grads)
+            return in_grads + [None] * (call.n_inputs - len(in_grads))
         call_id, box = self._new_box()
         present = [g is not None for g in grads]
         try:
@@ -302,42 +323,59 @@ class ModuleServer:
 
     def _serve_forward(self, msg: Message) -> None:
         template, requires, grad_enabled = msg.meta
-        inputs = [t.requires_grad_(rg and grad_enabled) if t.is_floating_point() or t.is_complex()
-                  else t for t, rg in zip(msg.tensors, requires)]
-        module = self.modules[msg.module]
-        with self.lock.hold(self._priority(FORWARD, msg.microbatch)), \
-                self.timeline.span(msg.module or "<root>", "forward", microbatch=msg.microbatch,
-                                   step=msg.step, caller=msg.src), \
-                torch.set_grad_enabled(grad_enabled):
-            args, kwargs = fill(template, inputs)
-            out = module(*args, **kwargs)
-        out_template, outs = flatten(out)
-        out_rg = [grad_enabled and t.requires_grad for t in outs]
-        if grad_enabled and any(out_rg):
-            self._saved[(msg.src, msg.call_id)] = (inputs, outs)
+        out_template, outs, out_rg = self._execute_forward(
+            msg.src, msg.call_id, msg.module, msg.step, msg.microbatch, template, msg.tensors,
+            requires, grad_enabled)
         self.transport.send(msg.src, Message(FWD_RESP, msg.step, msg.microbatch, msg.call_id,
                                              msg.module, meta=(out_template, out_rg),
                                              tensors=[t.detach() for t in outs]))
 
     def _serve_backward(self, msg: Message) -> None:
         fwd_call_id, present = msg.meta
-        saved = self._saved.pop((msg.src, fwd_call_id), None)
-        in_grads: List[Optional[torch.Tensor]] = []
-        if saved is not None:
-            inputs, outs = saved
-            it = iter(msg.tensors)
-            grads = [next(it) if has else None for has in present]
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                with self.lock.hold(self._priority(BACKWARD, msg.microbatch)), \
-                        self.timeline.span(msg.module or "<root>", "backward",
-                                           microbatch=msg.microbatch, step=msg.step, caller=msg.src):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            in_grads = [t.grad if t.requires_grad else None for t in inputs]
-        present_out = [g is not None for g in in_grads] if saved else []
+        it = iter(msg.tensors)
+        grads = [next(it) if has else None for has in present]
+        in_grads = self._execute_backward(msg.src, fwd_call_id, msg.module, msg.step,
+                                          msg.microbatch, grads)
         self.transport.send(msg.src, Message(
             BWD_RESP, msg.step, msg.microbatch, msg.call_id, msg.module,
-            meta=present_out, tensors=[g for g in in_grads if g is not None]))
+            meta=[g is not None for g in in_grads], tensors=[g for g in in_grads if g is not None]))
+
+    def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
+                         template: Any, tensors: List[torch.Tensor], requires: List[bool],
+                         grad_enabled: bool):
+        """Run module `name` on inputs cut from the caller's graph; keep the graph for backward."""
+        inputs = [t.detach().requires_grad_(rg and grad_enabled)
+                  if (t.is_floating_point() or t.is_complex()) else t
+                  for t, rg in zip(tensors, requires)]
+        with self.lock.hold(self._priority(FORWARD, mb)), \
+                self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
+                                   caller=caller), \
+                torch.set_grad_enabled(grad_enabled):
+            args, kwargs = fill(template, inputs)
+            out = self._real_forward[name](*args, **kwargs)
+        out_template, outs = flatten(out)
+        out_rg = [grad_enabled and t.requires_grad for t in outs]
+        if any(out_rg):
+            self._saved[(caller, call_id)] = (inputs, outs, mb)
+            # Microbatches whose activations this rank holds right now (for the memory benchmark).
+            live = len({saved[2] for saved in list(self._saved.values())})
+            self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+        return out_template, outs, out_rg
+
+    def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
+                          grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Backward through the graph kept for (caller, call_id); returns the inputs' gradients."""
+        saved = self._saved.pop((caller, call_id), None)
+        if saved is None:
+            return []
+        inputs, outs, _ = saved
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            with self.lock.hold(self._priority(BACKWARD, mb)), \
+                    self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
+                                       caller=caller):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [t.grad if t.requires_grad else None for t in inputs]
 
     def end_step(self) -> None:
         """Drop graphs whose backward never came (outputs unused, or an eval step)."""
@@ -345,6 +383,20 @@ class ModuleServer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _glue_callees(root: nn.Module, assignment: Dict[str, int]):
+    """Names of pp_rank 0's modules that the root's forward calls directly: its children, and the
+    children of containers it indexes into (ModuleList/ModuleDict have no forward of their own)."""
+    def walk(prefix: str, module: nn.Module):
+        for cname, child in module.named_children():
+            name = f"{prefix}.{cname}" if prefix else cname
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                yield from walk(name, child)
+            elif assignment.get(name) == 0:
+                yield name
+
+    return walk("", root)
 
 
 def _make_proxy(server: ModuleServer, name: str, owner: int) -> Callable[..., Any]:

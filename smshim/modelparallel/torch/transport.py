@@ -4,8 +4,9 @@ Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks ther
 sender thread and one receiver thread, on a process group used by nothing else, so messages from
 one rank to another arrive in the order they were sent and gloo's (peer, tag) matching can never
 pair a buffer with the wrong message. A message is a small header (an int64 length, then the
-pickled `Message` without its tensors, which carries their shapes and dtypes) followed by each
-tensor, sent contiguous.
+pickled `Message` without its tensors, which carries their shapes and dtypes) and the tensors'
+bytes, framed into a single send when it fits in FRAME_BYTES (see `_send_one`). Tensors travel
+through CPU memory on a gloo group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -58,8 +59,8 @@ class Message:
         return f"{what}{mod}{mb} (step {self.step})"
 
 
-def _tensor_meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype)
+FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
+_PREFIX = 16  # two int64 lengths
 
 
 class Transport:
@@ -82,6 +83,7 @@ class Transport:
         self._closed_peers: "queue.Queue[int]" = queue.Queue()
         self._shutdown = False
         self._threads: List[threading.Thread] = []
+        self._frames: Dict[int, torch.Tensor] = {}  # one receive buffer per peer (one thread each)
         for peer in range(len(ranks)):
             if peer == self.me:
                 continue
@@ -128,9 +130,14 @@ class Transport:
             sem.release()
 
     def close_session(self, step: int) -> None:
-        """Tell every peer we are done with this step; wait until every peer has said the same."""
+        """Tell every peer we are done with this step; wait until every peer has said the same
+        and our own CLOSEs have left (a rank may exit right after its last step)."""
+        sent = []
         for peer in self._outboxes:
-            self.send(peer, Message(CLOSE, step=step))
+            msg = Message(CLOSE, step=step)
+            msg.sent = threading.Event()
+            sent.append((peer, msg.sent))
+            self.send(peer, msg)
         waiting = set(self._outboxes)
         while waiting:
             self.check()
@@ -143,6 +150,11 @@ class Transport:
                     f"finish step {step}: they may have stopped calling the step function"
                 ) from None
             waiting.discard(peer)
+        for peer, event in sent:
+            if not event.wait(timeout=self.timeout_s):
+                self.check()
+                raise PipelineError(f"pp rank {self.me} could not deliver the end of step {step} "
+                                    f"to pp rank {peer} within {self.timeout_s:.0f} s")
         self.check()
 
     # ---- sending ----------------------------------------------------------------------------
@@ -159,6 +171,9 @@ class Transport:
                 return
             try:
                 self._send_one(dst, msg)
+                sent = getattr(msg, "sent", None)
+                if sent is not None:
+                    sent.set()
             except Exception as e:  # noqa: BLE001
                 if not self._shutdown:
                     self.fail(PipelineError(f"pp rank {self.me} could not send {msg.describe()} "
@@ -167,15 +182,23 @@ class Transport:
                 return
 
     def _send_one(self, dst: int, msg: Message) -> None:
-        tensors = [t.detach().to(self.device).contiguous() for t in msg.tensors]
-        header = dataclasses.replace(msg, tensors=[_tensor_meta(t) for t in tensors])
-        data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=self.group)
-        dist.send(payload, dst, group=self.group)
-        for t in tensors:
-            if t.numel():
-                dist.send(t, dst, group=self.group)
+        # One frame per message: [header length][body length][pickled header][tensor bytes].
+        # The receiver posts a fixed-size buffer (gloo accepts a shorter message), so a small
+        # message costs a single send; a body too large for the frame follows as one more send.
+        tensors = [t.detach().to("cpu").contiguous() for t in msg.tensors]
+        metas = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
+        header = pickle.dumps(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
+                                      msg.meta, metas), protocol=pickle.HIGHEST_PROTOCOL)
+        body = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+        body_len = sum(b.numel() for b in body)
+        inline = _PREFIX + len(header) + body_len <= FRAME_BYTES
+        lengths = torch.tensor([len(header), body_len], dtype=torch.int64).view(torch.uint8)
+        parts = [lengths, torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+        if inline:
+            parts += body
+        dist.send(torch.cat(parts), dst, group=self.group)
+        if not inline and body_len:
+            dist.send(torch.cat(body), dst, group=self.group)
 
     # ---- receiving --------------------------------------------------------------------------
     def _recv_loop(self, peer: int) -> None:
@@ -202,17 +225,21 @@ class Transport:
                 return
 
     def _recv_one(self, src: int) -> Message:
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.group)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(payload, src, group=self.group)
-        msg: Message = pickle.loads(payload.numpy().tobytes())
-        tensors = []
-        for shape, dtype in msg.tensors:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            if t.numel():
-                dist.recv(t, src, group=self.group)
-            tensors.append(t)
+        frame = self._frames.setdefault(src, torch.empty(FRAME_BYTES, dtype=torch.uint8))
+        dist.recv(frame, src, group=self.group)
+        header_len, body_len = frame[:_PREFIX].view(torch.int64).tolist()
+        msg: Message = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+        if _PREFIX + header_len + body_len <= FRAME_BYTES:
+            body = frame[_PREFIX + header_len:_PREFIX + header_len + body_len].clone()
+        else:
+            body = torch.empty(body_len, dtype=torch.uint8)
+            dist.recv(body, src, group=self.group)
+        tensors, offset = [], 0
+        for shape, dtype, nbytes in msg.tensors:
+            # clone(): a fresh, aligned storage per tensor, so view(dtype) is legal.
+            t = body[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+            offset += nbytes
+            tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
         msg.tensors = tensors
         return msg
 
