@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import uuid
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NoReturn, Optional, Sequence
 
 from smshim._sagemaker import (
     Distribution,
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> "NoReturn":  # noqa: F821
+def _fail(msg: str) -> NoReturn:
     print(f"smshim run: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 

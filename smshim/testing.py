@@ -21,7 +21,6 @@ import pickle
 import queue
 import signal
 import subprocess
-import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
