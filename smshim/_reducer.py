@@ -7,18 +7,21 @@ torch DDP's:
 * parameters are packed, in reverse registration order (roughly the order backward produces their
   gradients), into flat per-(dtype, device) buckets: a small first bucket so communication starts
   early, then buckets of `bucket_cap_mb`;
-* a post-accumulate-grad hook per parameter copies its gradient into the bucket (pre-divided by the
-  group size) or, with `gradient_as_bucket_view`, makes `param.grad` a view of the bucket;
-* when every gradient of a bucket is in, and every earlier bucket has been launched (so all ranks
-  issue collectives in the same order), the bucket's allreduce is launched asynchronously;
+* a post-accumulate-grad hook per parameter counts the bucket's gradients in; the last one copies
+  them into the bucket, pre-divided by the group size (with `gradient_as_bucket_view`, `param.grad`
+  already is a view of the bucket from the first step on, and only the division is left);
+* a full bucket whose predecessors have all been launched (so every rank issues its collectives in
+  the same order) is allreduced asynchronously while backward goes on;
 * at the end of backward (an autograd engine callback) or on an explicit `finalize()`, the rest is
-  launched, everything is waited for and the averages are copied back into `param.grad`.
+  launched, everything is waited for and the averages are copied back into `param.grad` (nothing
+  to copy with `gradient_as_bucket_view`).
 
 Unused parameters are agreed on without an extra collective: every bucket buffer carries one flag
 slot per parameter after the gradients ("this rank has no gradient for it"), summed by the same
-allreduce. So every rank learns which parameters some rank lacked and can raise the same error,
-and with `find_unused_parameters=True` a parameter no rank used keeps `grad=None` (as on a single
-process, so optimizers skip it) while one used elsewhere gets the average with zeros here.
+allreduce (with a comm hook, which must see gradients only, by one small extra allreduce). So every
+rank learns which parameters some rank lacked and raises the same error; with
+`find_unused_parameters=True` a parameter no rank used keeps `grad=None` (as on a single process,
+so optimizers skip it) while one used elsewhere gets the average with zeros here.
 
 Two ways to drive a round, for the two users:
 * DDP: `prepare_for_backward(sync=...)` in every forward; the backward that follows reduces and
@@ -377,16 +380,23 @@ class GradReducer:
         if grads:
             torch._foreach_copy_(grads, views)
 
+    def _all_flags(self) -> torch.Tensor:
+        """Every bucket's flags in one float32 tensor (buckets may differ in dtype and device)."""
+        if not self.buckets:
+            return torch.zeros(0)
+        device = self.buckets[0].device
+        return torch.cat([b.flags.to(device=device, dtype=torch.float32) for b in self.buckets])
+
     def _hook_flags(self) -> torch.Tensor:
         """With a comm hook the buffer seen by the hook holds gradients only: sum flags apart."""
-        flags = torch.cat([b.flags for b in self.buckets])
+        flags = self._all_flags()
         dist.all_reduce(flags, group=self.process_group)
         return flags
 
     def _settle_unused(self, hook_flags: Optional[torch.Tensor]) -> None:
         """Act on the summed flags: error on every rank, or settle the grads of unused params."""
-        flags = torch.cat([b.flags for b in self.buckets]) if hook_flags is None else hook_flags
-        if not bool(flags.any()):
+        flags = self._all_flags() if hook_flags is None else hook_flags
+        if not bool(flags.any()):  # the common case: one small check per round
             return
         order = [i for b in self.buckets for i in b.members]
         counts: Dict[int, int] = {i: int(round(float(c))) for i, c in zip(order, flags.tolist())

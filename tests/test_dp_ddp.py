@@ -296,3 +296,60 @@ def test_reducer_modes(view, hook):
         assert max(errors) < 1e-5, errors
         if hook == "user":
             assert seen == [(0, 2, False), (1, 1, False), (2, 1, True)]
+
+
+def _edge_cases():
+    from smshim._reducer import GradReducer
+    from smshim.dataparallel.torch import distributed as dist
+    from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group()
+    rank = dist.get_rank()
+    # nothing trainable: nothing to reduce, no error
+    frozen = GradReducer([torch.nn.Parameter(torch.ones(2), requires_grad=False)], None)
+    frozen.prepare_for_backward()
+    frozen.finalize()
+    # two dtypes: two buffers, both averaged
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    mixed = GradReducer([a, b], None)
+    mixed.prepare_for_backward()
+    ((a.sum() + b.sum().float()) * (rank + 1)).backward()
+    # DDP over an explicit group argument, WORLD spelled the smddp way
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1, bias=False)
+    model = DDP(net, process_group=dist.group.WORLD, broadcast_buffers=False)
+    model(torch.full((1, 2), float(rank))).sum().backward()
+    return len(mixed.buckets), a.grad.tolist(), b.grad.tolist(), net.weight.grad.tolist()
+
+
+def test_reducer_edge_cases():
+    for nbuckets, ga, gb, gw in run_ranks(_edge_cases, 2, timeout=60):
+        assert nbuckets == 2
+        assert ga == [1.5] * 3 and gb == [1.5] * 2
+        assert gw == [[0.5, 0.5]]
+
+
+def _buffers_and_eval():
+    from smshim.dataparallel.torch import distributed as dist
+    from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group()
+    rank = dist.get_rank()
+    shifts = []
+    for broadcast in (True, False):
+        net = _model(seed=rank)
+        model = DDP(net, broadcast_buffers=broadcast)
+        net.shift.fill_(10.0 + rank)  # buffers drift apart after construction
+        if rank == 0:  # evaluation on one rank only must not start a collective
+            with torch.no_grad():
+                model(torch.zeros(1, IN))
+        model(torch.zeros(1, IN)).sum().backward()
+        shifts.append(net.shift[0].item())
+    return shifts
+
+
+def test_buffers_rebroadcast_before_training_forwards_only():
+    for rank, (with_bcast, without) in enumerate(run_ranks(_buffers_and_eval, 2, timeout=60)):
+        assert with_bcast == 10.0  # rank 0's
+        assert without == 10.0 + rank

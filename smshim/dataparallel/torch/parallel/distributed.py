@@ -70,11 +70,15 @@ class DistributedDataParallel(torch.nn.Module):
                                    gradient_as_bucket_view=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
-            _dist._broadcast_coalesced(self.process_group, [b.detach() for b in self._buffers_to_sync],
-                                       _BROADCAST_BUCKET_BYTES, 0)
         if torch.is_grad_enabled():
-            self.reducer.prepare_for_backward(sync=self.require_backward_grad_sync)
+            # Like torch DDP, only training forwards that will sync talk to the other ranks: an
+            # evaluation under no_grad (often on rank 0 alone) or a no_sync forward must not.
+            sync = self.require_backward_grad_sync
+            if sync and self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
+                _dist._broadcast_coalesced(self.process_group,
+                                           [b.detach() for b in self._buffers_to_sync],
+                                           _BROADCAST_BUCKET_BYTES, 0)
+            self.reducer.prepare_for_backward(sync=sync)
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
