@@ -1,0 +1,210 @@
+"""Pipeline misuse errors, a stuck peer, the SMSHIM_TRACE timeline, pp=1 and the optimizer."""
+
+import glob
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from smshim.testing import run_ranks
+from tests.pipeline_models import Net, batches, loss_fn, make_model, reference
+
+
+def _setup(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    module = make_model("net")
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x, scale=0.5)
+        loss = loss_fn("net", out, y)
+        model.backward(loss)
+        return loss
+
+    return smp, model, opt, train_step
+
+
+def _misuse():
+    smp, model, opt, train_step = _setup({"pipeline_parallel_degree": 2, "microbatches": 2})
+    x, y = batches("net", 1, 8)[0]
+    errors = {}
+    for name, action in [
+        ("fwd", lambda: model(x)),
+        ("bwd", lambda: model.backward(torch.ones((), requires_grad=True))),
+        ("multi", lambda: smp.DistributedModel(nn.Linear(2, 2))),
+        ("pid", lambda: smp.partition(2).__enter__()),
+        ("pid_set", lambda: smp.set_partition(model.module.head, -1)),
+        ("split", lambda: train_step(model, x[:5], y[:5])),
+        ("local_before", lambda: list(model.local_parameters())),
+    ]:
+        try:
+            action()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001
+            errors[name] = (type(e).__name__, str(e))
+    train_step(model, x, y)  # the pipeline still works after the rejected calls
+    return errors
+
+
+def test_misuse_errors_on_every_rank():
+    for errors in run_ranks(_misuse, 2, timeout=120):
+        assert errors["fwd"][0] == "FwdExecutionNotInStepFnError"
+        assert errors["bwd"][0] == "BwdExecutionNotInStepFnError"
+        assert errors["multi"][0] == "MultipleDistributedModelError"
+        assert errors["pid"][0] == "InvalidPartitionIDError" and "[0, 2)" in errors["pid"][1]
+        assert errors["pid_set"][0] == "InvalidPartitionIDError"
+        assert errors["split"][0] == "TensorSplitError" and "x" in errors["split"][1]
+        assert "drop_last" in errors["split"][1]
+        assert errors["local_before"][0] == "SMPRuntimeError"
+
+
+def _stuck_last_stage(stop_after):
+    import datetime
+
+    import torch.distributed as dist
+
+    smp, model, opt, train_step = _setup({"pipeline_parallel_degree": 2, "microbatches": 2})
+    store = dist.distributed_c10d._get_default_store()
+    data = batches("net", stop_after + 1, 8)
+    for i, (x, y) in enumerate(data):
+        if i == stop_after and dist.get_rank() == 1:
+            # Alive, but no longer calling the step function, until rank 0 has given up.
+            store.wait(["rank0_gave_up"], datetime.timedelta(seconds=60))
+            return None
+        t0 = time.monotonic()
+        try:
+            train_step(model, x, y)
+        except Exception as e:  # noqa: BLE001
+            result = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0}
+            store.set("rank0_gave_up", "1")
+            return result
+    return None
+
+
+def test_stuck_last_stage_makes_first_stage_raise():
+    timeout = 8
+    results = run_ranks(_stuck_last_stage, 2, 2, timeout=120,
+                        env={"SMSHIM_TIMEOUT": str(timeout)})
+    r0 = results[0]
+    assert r0 is not None, "rank 0 did not notice the stuck rank"
+    assert r0["after_s"] < timeout + 10
+    msg = r0["error"]
+    assert "pp rank 1" in msg and "global rank 1" in msg
+    assert "forward" in msg and "microbatch 0" in msg and "step 2" in msg
+
+
+def _traced(schedule):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": schedule,
+              "active_microbatches": 4 if schedule == "simple" else 2, "auto_partition": False,
+              "default_partition": 0})
+    module = Net()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.blocks[2], 1)
+    smp.set_partition(module.blocks[3], 1)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("net", model(x), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in batches("net", 2, 8):
+        train_step(model, x, y)
+    return smp.pp_rank()
+
+
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_trace_shows_the_schedule(tmp_path, schedule):
+    run_ranks(_traced, 2, schedule, timeout=120, env={"SMSHIM_TRACE": str(tmp_path)})
+    files = sorted(glob.glob(str(tmp_path / "trace_rank*.json")))
+    assert len(files) == 2
+    with open(files[1]) as f:
+        trace = json.load(f)  # valid Chrome-trace JSON
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("step") == 1
+             and e["cat"] in ("forward", "backward")]
+    order = [(e["cat"], e["args"]["microbatch"]) for e in sorted(spans, key=lambda e: e["ts"])]
+    # Rank 1 runs blocks.2 and blocks.3 as requests: one forward and one backward span each per
+    # microbatch.
+    assert sorted(order) == sorted([(c, mb) for c in ("forward", "backward") for mb in range(4)] * 2)
+    kinds = [c for c, _ in order]
+    last_fwd = max(i for i, c in enumerate(kinds) if c == "forward")
+    first_bwd = kinds.index("backward")
+    if schedule == "simple":
+        assert last_fwd < first_bwd, order  # all forwards, then all backwards
+    else:
+        assert first_bwd < last_fwd, order  # a backward runs before the last forward
+    for e in trace["traceEvents"]:
+        assert e.get("ph") != "X" or e["dur"] >= 0
+
+
+def _pp1(m):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 1, "microbatches": m})
+    module = make_model("net")
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert model.partitioned and model._pipeline is None
+    model(batches("net", 1, 8)[0][0])  # pp=1: calling outside a step is allowed
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("net", model(x, scale=0.5), y)
+        model.backward(loss)
+        return loss
+
+    lrs = []
+    for x, y in batches("net", 3, 8):
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step()
+    lrs.append(opt.optimizer.param_groups[0]["lr"])
+    return {n: p.detach() for n, p in model.module.named_parameters()}, lrs
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_pp1_runs_locally_and_lr_scheduler_works(m):
+    params, lrs = run_ranks(_pp1, 1, m, timeout=60)[0]
+    assert lrs == [0.01, 0.005, 0.0025, 0.00125]
+    # With the halving schedule the reference differs; check the first step only via a fresh run.
+    ref_model = make_model("net")
+    opt = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in batches("net", 3, 8):
+        opt.zero_grad()
+        loss_fn("net", ref_model(x, scale=0.5), y).backward()
+        opt.step()
+        sched.step()
+    for n, p in ref_model.named_parameters():
+        assert (params[n] - p.detach()).abs().max() < 1e-5, n
+
+
+def _optimizer_must_hold_all_params():
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 1})
+    module = Net()
+    model = smp.DistributedModel(module)
+    try:
+        smp.DistributedOptimizer(torch.optim.SGD(module.head.parameters(), lr=0.1))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_optimizer_must_hold_every_parameter():
+    msg = run_ranks(_optimizer_must_hold_all_params, 1, timeout=60)[0]
+    assert msg is not None and "inp.weight" in msg
