@@ -1,6 +1,6 @@
 """smshim's DistributedDataParallel against torch's, and its bucketed reduction against raw allreduce.
 
-    python benchmarks/dp_vs_torch_ddp.py [--steps 40] [--nprocs 2]
+    python benchmarks/dp_vs_torch_ddp.py [--steps 60] [--nprocs 2]
 
 Two gloo processes (one thread each) on this machine. Part 1 wraps the same model once in our DDP
 and once in torch DDP (both with default settings), alternates timed forward+backward steps of
@@ -201,7 +201,7 @@ def _table(res: Dict[str, Any], nprocs: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--nprocs", type=int, default=2)
     args = ap.parse_args()

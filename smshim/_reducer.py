@@ -221,9 +221,12 @@ class GradReducer:
                 if missing and not self.find_unused_parameters:
                     raise RuntimeError(self._unused_message({i: 1 for i in missing}))
                 return
+            ready = self._ready
             for b in self.buckets[self._next:]:
-                self._stage(b, [s for s, i in enumerate(b.members)
-                                if not self._ready[i] and self._lacks_grad(i, armed)])
+                # Large-tensor buckets already hold their arrived gradients (see _on_grad_ready).
+                todo = [s for s, i in enumerate(b.members) if not (b.fused_scale and ready[i])]
+                self._stage(b, todo, [s for s in todo
+                                      if not ready[b.members[s]] and self._lacks_grad(b.members[s], armed)])
                 self._launch(b)
             self._next = len(self.buckets)
             hook_flags = self._hook_flags() if self._hook is not None else None
@@ -298,12 +301,17 @@ class GradReducer:
         if self._local_only:
             return  # nothing to communicate; only unused parameters are checked at the end
         b = self._bucket_of[i]
+        if b.fused_scale:
+            # Large tensors: copy each as it arrives, while backward still computes (as torch does),
+            # so that only the last one is left when the bucket fills.
+            self._stage(b, (self._slot[i],), ())
         b.pending -= 1
         if b.pending == 0 and b.index == self._next:
             buckets = self.buckets
             while self._next < len(buckets) and buckets[self._next].pending == 0:
                 b = buckets[self._next]
-                self._stage(b, ())
+                if not b.fused_scale:
+                    self._stage(b, range(len(b.members)), ())
                 self._launch(b)
                 self._next += 1
 
@@ -317,35 +325,41 @@ class GradReducer:
             return not self._ready[i]  # its hook did not fire: unused in this backward
         return self.params[i].grad is None
 
-    def _stage(self, b: _Bucket, lacking: Sequence[int]) -> None:
-        """Fill bucket b: gradients pre-divided by the group size (unless a comm hook averages);
-        zeros and a flag for the slots in `lacking` (parameters without a gradient here)."""
-        params, views = self.params, b.views
+    def _stage(self, b: _Bucket, slots: Iterable[int], lacking: Sequence[int]) -> None:
+        """Put the gradients of bucket b's `slots` into it, pre-divided by the group size (unless a
+        comm hook averages); zeros and a flag for the slots in `lacking` (no gradient here).
+
+        Buckets of many small tensors are always staged whole (one batched copy and one division
+        beat a Python-level call per tensor); large-tensor buckets slot by slot, dividing while
+        copying (one pass over the data)."""
+        params, views, members = self.params, b.views, b.members
         scale = self._hook is None
-        grads = [params[i].grad for i in b.members]
         for s in lacking:
-            grads[s] = None
             views[s].zero_()
             b.flags[s] = 1
             b.flags_dirty = True
+        grads = [(s, params[members[s]].grad) for s in slots if s not in lacking]
         # "stale": gradients living outside the bucket (no view mode, first step, grads set to None).
-        stale = [s for s, g in enumerate(grads) if g is not None and g is not views[s]]
-        if scale and b.fused_scale and stale:
-            # Few large tensors: divide while copying, one pass over the data (as torch does).
-            for v, g in zip(views, grads):
-                if g is v:
-                    v.mul_(self._scale)
-                elif g is not None:
-                    torch.mul(g, self._scale, out=v)
+        stale = [(s, g) for s, g in grads if g is not None and g is not views[s]]
+        if b.fused_scale:
+            for s, g in grads:
+                if g is None:
+                    continue
+                if g is views[s]:
+                    if scale:
+                        g.mul_(self._scale)
+                elif scale:
+                    torch.mul(g, self._scale, out=views[s])
+                else:
+                    views[s].copy_(g)
         else:
-            # Many small tensors: one batched copy and one division beat a call per tensor.
             if stale:
-                torch._foreach_copy_([views[s] for s in stale], [grads[s] for s in stale])
+                torch._foreach_copy_([views[s] for s, _ in stale], [g for _, g in stale])
             if scale:
                 b.grads.mul_(self._scale)
         if self.gradient_as_bucket_view:
-            for s in stale:
-                params[b.members[s]].grad = views[s]
+            for s, _ in stale:
+                params[members[s]].grad = views[s]
 
     def _launch(self, b: _Bucket) -> None:
         if self._hook is None:

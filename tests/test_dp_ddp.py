@@ -225,7 +225,7 @@ def test_world_size_one_does_not_communicate():
     assert grad == [[3.0] * 4] * 2
 
 
-def _reducer_variants(view: bool, hook: str):
+def _reducer_variants(view: bool, hook: str, big: bool = False):
     """The reducer on its own, as the pipeline engine uses it: view mode, hooks, finalize()."""
     import torch.distributed as tdist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -236,7 +236,11 @@ def _reducer_variants(view: bool, hook: str):
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
+    if big:  # 90000-element weights: buckets filled tensor by tensor as gradients arrive
+        net = torch.nn.Sequential(torch.nn.Linear(5, 300), torch.nn.Tanh(), torch.nn.Linear(300, 300),
+                                  torch.nn.Tanh(), torch.nn.Linear(300, 2))
+    else:
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
     params = list(net.parameters())
     reducer = GradReducer(params, None, bucket_cap_mb=0.00001, gradient_as_bucket_view=view)
     seen = []
@@ -285,17 +289,27 @@ def _reducer_variants(view: bool, hook: str):
     net(xs[rank]).pow(2).sum().backward()
     reducer.finalize()
     errors.append(max((p.grad - e).abs().max().item() for p, e in zip(params, expected)))
-    return errors, len(reducer.buckets), seen[:len(reducer.buckets)]
+    fused = [b.fused_scale for b in reducer.buckets]
+    return errors, len(reducer.buckets), seen[:len(reducer.buckets)], fused
 
 
 @pytest.mark.parametrize("view,hook", [(False, "none"), (True, "none"),
                                        (False, "torch_allreduce"), (True, "user")])
 def test_reducer_modes(view, hook):
-    for errors, nbuckets, seen in run_ranks(_reducer_variants, 2, view, hook, timeout=60):
+    for errors, nbuckets, seen, fused in run_ranks(_reducer_variants, 2, view, hook, timeout=60):
         assert nbuckets == 3  # [2.bias (8 bytes) + 2.weight], [1.bias], [1.weight]
+        assert not any(fused)
         assert max(errors) < 1e-5, errors
         if hook == "user":
             assert seen == [(0, 2, False), (1, 1, False), (2, 1, True)]
+
+
+@pytest.mark.parametrize("view,hook", [(False, "none"), (True, "none"), (True, "torch_allreduce")])
+def test_reducer_modes_large_tensors(view, hook):
+    for errors, nbuckets, seen, fused in run_ranks(_reducer_variants, 2, view, hook, True,
+                                                    timeout=60):
+        assert max(errors) < 1e-5, errors
+        assert any(fused) and not all(fused), fused
 
 
 def _edge_cases():
