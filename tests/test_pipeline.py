@@ -11,13 +11,14 @@ from tests.pipeline_models import batches, loss_fn, make_model, reference
 TOL = 1e-5
 
 
-def _train(kind, cfg, steps=3, batch=8, manual=None):
+def _train(kind, cfg, steps=3, batch=8, manual=None, model_kwargs=None):
     import smdistributed.modelparallel.torch as smp
 
     smp.init(cfg)
+    dp, dp_rank = smp.dp_size(), smp.dp_rank()
     module = make_model(kind)
     total = sum(p.numel() for p in module.parameters())
-    model = smp.DistributedModel(module)
+    model = smp.DistributedModel(module, **(model_kwargs or {}))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
     if manual:
         for name, pid in manual.items():
@@ -32,19 +33,25 @@ def _train(kind, cfg, steps=3, batch=8, manual=None):
 
     losses = []
     for x, y in batches(kind, steps, batch):
+        # Each data-parallel replica trains on its shard of the global batch.
+        k = batch // dp
+        x, y = x[dp_rank * k:(dp_rank + 1) * k], y[dp_rank * k:(dp_rank + 1) * k]
         opt.zero_grad()
         out = train_step(model, x, y)
         opt.step()
         losses.append(out.reduce_mean().item())
     local = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     return {"params": local, "total": total, "losses": losses, "pp_rank": smp.pp_rank(),
-            "assignment": dict(model._assignment)}
+            "dp_rank": dp_rank, "assignment": dict(model._assignment),
+            "early_reductions": model._pipeline.early_reductions if model._pipeline else 0}
 
 
-def _check(results, kind):
-    ref = reference(kind)
+def _check(results, kind, batch=8):
+    ref = reference(kind, batch=batch)
     merged = {}
     for r in results:
+        if r.get("dp_rank", 0) != 0:
+            continue
         for n, p in r["params"].items():
             assert n not in merged or torch.equal(merged[n], p), f"{n} held by two ranks differently"
             merged[n] = p
@@ -54,8 +61,15 @@ def _check(results, kind):
         diff = (merged[n] - p).abs().max().item()
         assert diff < TOL, f"{n}: max abs diff {diff}"
     # Each rank keeps only its partition; the partitions add up to the model.
-    assert sum(sum(p.numel() for p in r["params"].values()) for r in results) == results[0]["total"]
-    assert len({tuple(r["losses"]) for r in results}) == 1  # every stage got the same outputs
+    replica0 = [r for r in results if r.get("dp_rank", 0) == 0]
+    assert sum(sum(p.numel() for p in r["params"].values()) for r in replica0) == results[0]["total"]
+    for d in {r.get("dp_rank", 0) for r in results}:
+        replica = [r for r in results if r.get("dp_rank", 0) == d]
+        assert len({tuple(r["losses"]) for r in replica}) == 1  # every stage got the same outputs
+        for r in replica:  # replicas hold identical partitions
+            twin = next(q for q in replica0 if q["pp_rank"] == r["pp_rank"])
+            for n, p in r["params"].items():
+                assert torch.equal(p, twin["params"][n]), (n, d)
 
 
 CASES = [(pp, m, sched, part) for pp, m, sched, part in itertools.product(
@@ -86,3 +100,28 @@ def test_tied_weights(pp):
     _check(results, "tied")
     a = results[0]["assignment"]
     assert a["embed"] == a["out"]
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+@pytest.mark.parametrize("sched", ["simple", "interleaved"])
+def test_pipeline_times_data_parallel(placement, sched):
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": sched, "ddp": True,
+           "placement_strategy": placement}
+    results = run_ranks(_train, 4, "net", cfg, 3, 16, timeout=150)
+    _check(results, "net", batch=16)
+    expected = {"cluster": [(0, 0), (1, 0), (0, 1), (1, 1)],
+                "spread": [(0, 0), (0, 1), (1, 0), (1, 1)]}[placement]
+    assert [(r["pp_rank"], r["dp_rank"]) for r in results] == expected
+    # Overlapping reduction: the last stage reduced before the step's end, every step.
+    assert [r["early_reductions"] for r in results if r["pp_rank"] == 1] == [3, 3]
+
+
+def test_data_parallel_only_and_end_of_step_reduction():
+    # pp=1 x dp=2, and pp=2 x dp=2 with overlapping_allreduce=False (reduce at the end of the step).
+    results = run_ranks(_train, 2, "net", {"pipeline_parallel_degree": 1, "ddp": True,
+                                           "microbatches": 2}, 3, 16, timeout=150)
+    _check(results, "net", batch=16)
+    results = run_ranks(_train, 4, "net", {"pipeline_parallel_degree": 2, "ddp": True,
+                                           "microbatches": 4}, 3, 16, None,
+                        {"overlapping_allreduce": False}, timeout=150)
+    _check(results, "net", batch=16)

@@ -23,6 +23,7 @@ from .comm import CommGroup
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
                      MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
 from .pipeline import Pipeline
+from smshim._reducer import GradReducer
 from .server import ctx
 from .state import require_init, state
 from .timeline import from_env as _timeline_from_env
@@ -57,10 +58,8 @@ class DistributedModel(nn.Module):
             raise TypeError(f"DistributedModel wraps an nn.Module, got {type(module).__name__}")
         if trace_device not in ("cpu", "gpu"):
             raise ValueError(f"trace_device={trace_device!r}: use 'cpu' or 'gpu'")
-        if state.cfg.ddp or state.topology.dp_size > 1:
-            raise SMPUnsupportedError(
-                "ddp: true (data parallelism across pipeline replicas) is not implemented yet in "
-                "smshim's DistributedModel; run with pipeline_parallel_degree = world size")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         super().__init__()
         self.module = module
         self.trace_device = trace_device
@@ -68,6 +67,14 @@ class DistributedModel(nn.Module):
         self.trace_memory_usage = trace_memory_usage
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.backward_passes_per_step = backward_passes_per_step
+        self.overlapping_allreduce = overlapping_allreduce
+        self.broadcast_buffers = broadcast_buffers
+        self._ddp_options = dict(bucket_cap_mb=bucket_cap_mb,
+                                 gradient_as_bucket_view=gradient_as_bucket_view,
+                                 find_unused_parameters=find_unused_parameters)
+        self._reducer: Optional[GradReducer] = None
+        self._comm_hook: Optional[Tuple[Any, Callable]] = None
+        self._steps_done = 0
         self._post_partition_hooks: List[Callable] = []
         self._post_step_hooks: List[Callable] = []
         self._assignment: Optional[Dict[str, int]] = None
@@ -90,6 +97,7 @@ class DistributedModel(nn.Module):
         else:
             self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
             module.to(self._device)
+            self._setup_data_parallel()
         state.model = self
         state.register_reset_callback(self._on_reset)
 
@@ -200,11 +208,16 @@ class DistributedModel(nn.Module):
         self._num_mb = len(mb_inputs)
         if not self.partitioned:
             self._partition(fn, mb_inputs)
-        if self._pipeline is None:
-            return self._run_local(fn, mb_inputs)
-        if self._pp_rank == 0:
-            return self._pipeline.run(fn, mb_inputs)
-        return self._pipeline.serve()
+        try:
+            if self._pipeline is None:
+                results = self._run_local(fn, mb_inputs)
+                self._reduce_gradients_if_due()
+                return results
+            if self._pp_rank == 0:
+                return self._pipeline.run(fn, mb_inputs)
+            return self._pipeline.serve(len(mb_inputs))
+        finally:
+            self._steps_done += 1
 
     def _run_local(self, fn: Callable, mb_inputs) -> List[Any]:
         results = []
@@ -225,9 +238,11 @@ class DistributedModel(nn.Module):
 
     # ---- partitioning -------------------------------------------------------------------------
     def _partition(self, fn: Callable, mb_inputs) -> None:
+        """Global rank 0 (pp_rank 0 of replica 0) decides; every rank of the job adopts the same
+        decision, so the pipeline replicas hold the same modules and their DP groups line up."""
         cfg = state.cfg
         decision = [None]
-        if self._pp_rank == 0:
+        if state.topology.rank == 0:
             try:
                 if cfg.auto_partition:
                     trace = self._trace(fn, mb_inputs[0])
@@ -239,11 +254,11 @@ class DistributedModel(nn.Module):
                         self.module, self._pp_size, cfg.default_partition)
             except BaseException as e:  # tell the other ranks instead of leaving them waiting
                 decision[0] = e
-        dist.broadcast_object_list(decision, src=self._pp_ranks[0], group=self._group)
+        dist.broadcast_object_list(decision, src=0, group=state.object_group)
         if isinstance(decision[0], BaseException):
-            if self._pp_rank == 0:
+            if state.topology.rank == 0:
                 raise decision[0]
-            raise SMPRuntimeError(f"partitioning failed on pp rank 0: {decision[0]}")
+            raise SMPRuntimeError(f"partitioning failed on rank 0: {decision[0]}")
         self._apply_partition(decision[0])
 
     def _trace(self, fn: Callable, first_mb: Tuple[tuple, dict]) -> partitioner.Trace:
@@ -295,8 +310,46 @@ class DistributedModel(nn.Module):
             self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
             _runtime.timeout_seconds(), self._device)
+        self._setup_data_parallel()
         for fn in list(self._post_partition_hooks):
             fn(self, state.optimizer)
+
+    # ---- data parallelism across pipeline replicas (ddp: true) -------------------------------
+    def _setup_data_parallel(self) -> None:
+        """Make the replicas' copies of this partition identical and build its gradient reducer
+        (the same bucketed reducer as smdistributed.dataparallel's DistributedDataParallel)."""
+        topo = state.topology
+        if topo.dp_size == 1:
+            return
+        group = state.process_group(CommGroup.DP_GROUP)
+        src = topo.group(CommGroup.DP_GROUP)[0]
+        named = list(self.local_named_parameters())
+        with torch.no_grad():
+            for _, t in named + list(self.local_named_buffers()):
+                dist.broadcast(t.data, src, group=group)
+        self._reducer = GradReducer([p for _, p in named], group, names=[n for n, _ in named],
+                                    **self._ddp_options)
+        if self._comm_hook is not None:
+            self._reducer.register_comm_hook(*self._comm_hook)
+        if self._pipeline is not None and self.overlapping_allreduce:
+            # Each rank averages its gradients as soon as its own backward work for the step is
+            # done, overlapping the other stages' backward (see Pipeline.on_local_backward_done).
+            self._pipeline.reduce_early = self._reduce_gradients_if_due
+        if self._pipeline is not None:
+            self._pipeline.reduce_at_end = self._reduce_gradients_if_due
+
+    def _reduce_gradients_if_due(self) -> None:
+        """Average local gradients over the DP group on every backward_passes_per_step-th step."""
+        if self._reducer is not None and (self._steps_done + 1) % self.backward_passes_per_step == 0:
+            self._reducer.finalize()
+
+    def register_comm_hook(self, state_: Any, hook: Callable) -> None:
+        """torch DDP's communication hook, for the DP-group gradient reduction (ddp: true)."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered")
+        self._comm_hook = (state_, hook)
+        if self._reducer is not None:
+            self._reducer.register_comm_hook(state_, hook)
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
@@ -323,10 +376,9 @@ class DistributedModel(nn.Module):
         return self
 
     def join(self):
-        raise SMPUnsupportedError("join() needs ddp: true, which is not implemented yet")
-
-    def register_comm_hook(self, state_: Any, hook: Callable) -> None:
-        raise SMPUnsupportedError("register_comm_hook() needs ddp: true, which is not implemented yet")
+        raise SMPUnsupportedError(
+            "join() (uneven inputs across DP replicas) is not implemented: give every DP rank the "
+            "same number of steps (drop_last=True on a DistributedSampler)")
 
     def _on_reset(self) -> None:
         if self._pipeline is not None:

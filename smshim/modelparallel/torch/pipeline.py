@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +49,19 @@ class Pipeline:
         self.transport.on_error(lambda exc: self._wake())
         self.server.install_proxies()
         self.step = 0
+        # Data parallelism (ddp: true): the model sets these to its DP-group gradient reduction.
+        # `reduce_early` runs, on ranks other than 0, as soon as the rank's own backward work for
+        # the step is done (overlapping the other stages' backward); `reduce_at_end` otherwise.
+        self.reduce_early: Optional[Callable[[], None]] = None
+        self.reduce_at_end: Optional[Callable[[], None]] = None
+        self._reduce_lock = threading.Lock()
+        self._reduce_future: Optional[Future] = None
+        self.early_reductions = 0  # steps whose reduction overlapped the pipeline's drain
+        self._reduce_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-reduce")
+        if pp_rank != 0:
+            # pp_rank 0 also computes in the root's glue code, outside any region: it reduces at
+            # the end of the step.
+            self.server.on_local_backward_done = self._on_local_backward_done
         self._cond = threading.Condition()
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
@@ -64,6 +78,7 @@ class Pipeline:
         schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m))
         self._schedule = self.server.schedule = schedule
         self._forwards_done = 0
+        self.server.begin_step(m)
         self.transport.open_session()
         results: List[Any] = [None] * m
         errors: List[Tuple[int, BaseException]] = []
@@ -138,9 +153,10 @@ class Pipeline:
         torch.autograd.backward(tensors, grad_tensors)
 
     # ---- other pp ranks -----------------------------------------------------------------------
-    def serve(self) -> List[Any]:
+    def serve(self, microbatches: int) -> List[Any]:
         step = self.step
         self.server.schedule = make_schedule(self.pipeline, 1, 1)  # priorities only
+        self.server.begin_step(microbatches)
         self.transport.open_session()
         msg = None
         try:
@@ -158,7 +174,23 @@ class Pipeline:
         self._finish(step)
         return fill(msg.meta, msg.tensors)
 
+    def _on_local_backward_done(self) -> None:
+        with self._reduce_lock:
+            if self.reduce_early is not None and self._reduce_future is None:
+                self._reduce_future = self._reduce_pool.submit(self.reduce_early)
+                self.early_reductions += 1
+
+    def _reduce(self) -> None:
+        """The step's gradient reduction must be complete before the step returns."""
+        with self._reduce_lock:
+            future, self._reduce_future = self._reduce_future, None
+        if future is not None:
+            future.result(timeout=self.timeout_s)
+        elif self.reduce_at_end is not None:
+            self.reduce_at_end()
+
     def _finish(self, step: int) -> None:
+        self._reduce()
         self.server.end_step()
         self.transport.close_session(step)
         self.step += 1
@@ -169,3 +201,4 @@ class Pipeline:
         self.server.remove_proxies()
         self.transport.shutdown()
         self.server.close()
+        self._reduce_pool.shutdown(wait=False)

@@ -167,6 +167,11 @@ class ModuleServer:
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
+        # "This rank's backward work for the step is done" (every microbatch ran forward here and
+        # no graph is left): lets data parallelism start reducing early.
+        self.on_local_backward_done: Optional[Callable[[], None]] = None
+        self._expected_microbatches = 0
+        self._forward_microbatches: set = set()
         self._real_forward: Dict[str, Callable[..., Any]] = {}
 
     # Proxies -------------------------------------------------------------------------------
@@ -356,6 +361,7 @@ class ModuleServer:
         out_template, outs = flatten(out)
         out_rg = [grad_enabled and t.requires_grad for t in outs]
         if any(out_rg):
+            self._forward_microbatches.add(mb)
             self._saved[(caller, call_id)] = (inputs, outs, mb)
             # Microbatches whose activations this rank holds right now (for the memory benchmark).
             live = len({saved[2] for saved in list(self._saved.values())})
@@ -375,7 +381,15 @@ class ModuleServer:
                     self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
                                        caller=caller):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [t.grad if t.requires_grad else None for t in inputs]
+        in_grads = [t.grad if t.requires_grad else None for t in inputs]
+        if (self.on_local_backward_done is not None and not self._saved
+                and len(self._forward_microbatches) >= self._expected_microbatches):
+            self.on_local_backward_done()
+        return in_grads
+
+    def begin_step(self, microbatches: int) -> None:
+        self._expected_microbatches = microbatches
+        self._forward_microbatches = set()
 
     def end_step(self) -> None:
         """Drop graphs whose backward never came (outputs unused, or an eval step)."""
