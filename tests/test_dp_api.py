@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import pytest
 import torch
 
-from smshim.testing import run_ranks
+from smshim.testing import run_command, run_ranks
 
 
 def _collectives():
@@ -124,7 +128,22 @@ def _collectives():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_collectives(n):
-    results = run_ranks(_collectives, n, timeout=90)
+    _check_collectives(run_ranks(_collectives, n, timeout=90), n)
+
+
+def test_collectives_under_mpirun(tmp_path):
+    """The same checks with rank, size and rendezvous coming from MPI (port shared by rank 0)."""
+    script = os.path.join(os.path.dirname(__file__), "dp_scripts", "collectives.py")
+    run_command(["mpirun", "-n", "2", sys.executable, script, str(tmp_path)], timeout=120)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for o in results:  # JSON turns tuples into lists
+        for key in ("local", "sub_rank"):
+            if key in o:
+                o[key] = tuple(o[key])
+    _check_collectives(results, 2)
+
+
+def _check_collectives(results, n):
     total = n * (n + 1) / 2
     mean = (n + 1) / 2
     for r, o in enumerate(results):
