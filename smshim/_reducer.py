@@ -1,7 +1,7 @@
 """Bucketed, overlapped gradient averaging over a process group.
 
-Used by `smdistributed.dataparallel.torch.parallel.DistributedDataParallel` and by the model-parallel
-engine (averaging each pipeline partition's gradients over its data-parallel group). The design is
+Used by `smdistributed.dataparallel.torch.parallel.DistributedDataParallel` and by the
+model-parallel engine (averaging each pipeline partition's gradients over its data-parallel group). The design is
 torch DDP's:
 
 * parameters are packed, in reverse registration order (roughly the order backward produces their
@@ -119,8 +119,8 @@ class GradReducer:
             zeros (instead of an error naming it).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], process_group: Optional[dist.ProcessGroup] = None,
-                 *, names: Optional[Sequence[str]] = None,
+    def __init__(self, params: Iterable[torch.Tensor],
+                 process_group: Optional[dist.ProcessGroup] = None, *, names: Optional[Sequence[str]] = None,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
                  gradient_as_bucket_view: bool = False,
@@ -190,7 +190,8 @@ class GradReducer:
         self._hook, self._hook_state = hook, state
         self._local_only = False  # a hook runs even on one process, as in torch DDP
 
-    def prepare_for_backward(self, sync: bool = True, finalize_at_backward_end: bool = True) -> None:
+    def prepare_for_backward(self, sync: bool = True,
+                             finalize_at_backward_end: bool = True) -> None:
         """Arm (sync=True) or disarm the reduction of the next backward's gradients.
 
         With `finalize_at_backward_end`, the armed backward waits for its reductions before it
@@ -225,8 +226,9 @@ class GradReducer:
             for b in self.buckets[self._next:]:
                 # Large-tensor buckets already hold their arrived gradients (see _on_grad_ready).
                 todo = [s for s, i in enumerate(b.members) if not (b.fused_scale and ready[i])]
-                self._stage(b, todo, [s for s in todo
-                                      if not ready[b.members[s]] and self._lacks_grad(b.members[s], armed)])
+                lacking = [s for s in todo
+                           if not ready[b.members[s]] and self._lacks_grad(b.members[s], armed)]
+                self._stage(b, todo, lacking)
                 self._launch(b)
             self._next = len(self.buckets)
             hook_flags = self._hook_flags() if self._hook is not None else None
@@ -339,7 +341,7 @@ class GradReducer:
             b.flags[s] = 1
             b.flags_dirty = True
         grads = [(s, params[members[s]].grad) for s in slots if s not in lacking]
-        # "stale": gradients living outside the bucket (no view mode, first step, grads set to None).
+        # "stale": gradients living outside the bucket (no view mode, first step, grads set None).
         stale = [(s, g) for s, g in grads if g is not None and g is not views[s]]
         if b.fused_scale:
             for s, g in grads:

@@ -190,7 +190,7 @@ def test_find_unused_parameters_treats_missing_as_zero():
             assert out[name] < 1e-6, (name, out)
 
 
-def test_world_size_one_trains_and_checks_unused(monkeypatch):
+def test_world_size_one_trains_and_checks_unused():
     """One process, no launcher: DDP is a passthrough that still reports unused parameters."""
     results = run_ranks(_train_ddp, 1, None, timeout=60)
     assert results[0][0] < 1e-6
@@ -237,8 +237,9 @@ def _reducer_variants(view: bool, hook: str, big: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     if big:  # 90000-element weights: buckets filled tensor by tensor as gradients arrive
-        net = torch.nn.Sequential(torch.nn.Linear(5, 300), torch.nn.Tanh(), torch.nn.Linear(300, 300),
-                                  torch.nn.Tanh(), torch.nn.Linear(300, 2))
+        net = torch.nn.Sequential(torch.nn.Linear(5, 300), torch.nn.Tanh(),
+                                  torch.nn.Linear(300, 300), torch.nn.Tanh(),
+                                  torch.nn.Linear(300, 2))
     else:
         net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
     params = list(net.parameters())

@@ -1,4 +1,5 @@
-"""The "smddp" torch.distributed backend: native torch DDP on it, under torchrun-style env and mpirun."""
+"""The "smddp" torch.distributed backend: native torch DDP on it, under torchrun-style env and
+mpirun."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SCRIPTS = os.path.join(os.path.dirname(__file__), "dp_scripts")
 def _torch_ddp_on_smddp():
     import torch.distributed as tdist
 
-    import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  (registers the backend)
+    import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  registers the backend
     from smshim.dataparallel.torch import distributed as smddp
 
     tdist.init_process_group(backend="smddp")
@@ -51,7 +52,8 @@ def _torch_ddp_on_smddp():
     u = torch.tensor([rank + 1.0])
     if rank in (0, 1):
         tdist.all_reduce(u, group=sub)
-    return diff, tdist.get_backend(), tdist.get_backend(sub) if rank < 2 else None, t.item(), u.item()
+    sub_backend = tdist.get_backend(sub) if rank < 2 else None
+    return diff, tdist.get_backend(), sub_backend, t.item(), u.item()
 
 
 def test_torch_ddp_on_smddp_backend_matches_single_process():
@@ -65,10 +67,11 @@ def test_torch_ddp_on_smddp_backend_matches_single_process():
 
 
 def test_smddp_backend_under_mpirun():
-    """No RANK/MASTER_* at all: importing torch_smddp exports them from MPI (port shared by rank 0)."""
+    """No RANK/MASTER_*: importing torch_smddp exports them from MPI (port shared by rank 0)."""
     script = os.path.join(SCRIPTS, "smddp_torch_ddp.py")
     out = run_command(["mpirun", "-n", "2", sys.executable, script], timeout=120).stdout
-    found = {r: (d, l) for r, d, l in re.findall(r"RESULT (\d+) (\d\.\d{3}e[+-]\d+) (mpich|openmpi|torchrun|single)", out)}
+    pattern = r"RESULT (\d+) (\d\.\d{3}e[+-]\d+) (mpich|openmpi|torchrun|single)"
+    found = {r: (d, launcher) for r, d, launcher in re.findall(pattern, out)}
     assert sorted(found) == ["0", "1"], out
     for rank, (diff, launcher) in found.items():
         assert float(diff) < 1e-5 and launcher == "mpich", (rank, diff, launcher)

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from smshim._runtime import detect_launch  # noqa: E402
 
 launcher = detect_launch().launcher  # before the import below exports torchrun-style variables
-assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ, "launched with torch env already"
+assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ, "torch env already set"
 
 from tests.test_smddp_backend import _torch_ddp_on_smddp  # noqa: E402
 

@@ -56,7 +56,8 @@ def _pg(g: Any) -> Optional[_dist.ProcessGroup]:
             "GroupMember.NON_GROUP_MEMBER here): call collectives on it only from its member ranks"
         )
     raise TypeError(
-        f"group={g!r} is not a process group: pass dist.group.WORLD or a group from dist.new_group()"
+        f"group={g!r} is not a process group: pass dist.group.WORLD or a group from "
+        "dist.new_group()"
     )
 
 

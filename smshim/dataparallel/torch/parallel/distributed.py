@@ -53,7 +53,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         pg = _smddp._pg(process_group)
         self.process_group = _dist.distributed_c10d._get_default_group() if pg is None else pg
-        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        self.bucket_cap_mb = (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None
+                              else float(bucket_cap_mb))
         self.require_backward_grad_sync = True
         self.world_size = _dist.get_world_size(self.process_group)
 
