@@ -53,13 +53,15 @@ def _torch_ddp_on_smddp():
     if rank in (0, 1):
         tdist.all_reduce(u, group=sub)
     sub_backend = tdist.get_backend(sub) if rank < 2 else None
-    return diff, tdist.get_backend(), sub_backend, t.item(), u.item()
+    local = int(os.environ["SMDATAPARALLEL_LOCAL_RANK"])
+    return diff, tdist.get_backend(), sub_backend, t.item(), u.item(), local
 
 
 def test_torch_ddp_on_smddp_backend_matches_single_process():
-    for rank, (diff, backend, sub_backend, avg, sub_sum) in enumerate(
+    for rank, (diff, backend, sub_backend, avg, sub_sum, local) in enumerate(
             run_ranks(_torch_ddp_on_smddp, 3, timeout=90)):
         assert diff < 1e-5
+        assert local == rank  # one host: local rank = rank
         assert backend == "smddp"
         assert avg == 1.0  # mean of 0, 1, 2
         if rank < 2:

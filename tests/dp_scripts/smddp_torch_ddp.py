@@ -15,5 +15,7 @@ assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ, "torch env 
 from tests.test_smddp_backend import _torch_ddp_on_smddp  # noqa: E402
 
 torch.set_num_threads(1)
-diff = _torch_ddp_on_smddp()[0]
+result = _torch_ddp_on_smddp()
+diff, local = result[0], result[-1]
+assert local == int(os.environ["RANK"]), (local, os.environ["RANK"])
 print(f"RESULT {os.environ['RANK']} {diff:.3e} {launcher}", flush=True)

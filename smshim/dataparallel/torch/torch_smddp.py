@@ -1,14 +1,15 @@
 """`import smdistributed.dataparallel.torch.torch_smddp` registers the torch.distributed backend "smddp".
 
 After the import, `torch.distributed.init_process_group(backend="smddp")` works under torchrun
-(env://) and under mpirun (rank and size from the MPI environment, exported at import time), and
-native torch DDP/FSDP run on it. The backend is a process group that sends CPU tensors through
+(env://) and under mpirun (rank and size from the MPI environment, exported at import time, with
+SMDATAPARALLEL_LOCAL_RANK), and native torch DDP/FSDP run on it. The backend is a process group that sends CPU tensors through
 gloo and CUDA tensors through NCCL, built the way torch builds "cpu:gloo,cuda:nccl".
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -61,5 +62,13 @@ def _register() -> None:
                                   devices=["cpu", "cuda"])
 
 
+def _export_env() -> None:
+    _runtime.export_mpi_env()
+    info = _runtime.detect_launch()
+    if info.launcher != "single":
+        # Hugging Face's Trainer reads it right after init_process_group(backend="smddp").
+        os.environ.setdefault("SMDATAPARALLEL_LOCAL_RANK", str(info.local_rank))
+
+
 _register()
-_runtime.export_mpi_env()
+_export_env()
