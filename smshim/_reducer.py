@@ -120,7 +120,8 @@ class GradReducer:
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
-                 process_group: Optional[dist.ProcessGroup] = None, *, names: Optional[Sequence[str]] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, *,
+                 names: Optional[Sequence[str]] = None,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
                  gradient_as_bucket_view: bool = False,
