@@ -1,8 +1,8 @@
 """Bucketed, overlapped gradient averaging over a process group.
 
 Used by `smdistributed.dataparallel.torch.parallel.DistributedDataParallel` and by the
-model-parallel engine (averaging each pipeline partition's gradients over its data-parallel group). The design is
-torch DDP's:
+model-parallel engine (averaging each pipeline partition's gradients over its data-parallel
+group). The design is torch DDP's:
 
 * parameters are packed, in reverse registration order (roughly the order backward produces their
   gradients), into flat per-(dtype, device) buckets: a small first bucket so communication starts
