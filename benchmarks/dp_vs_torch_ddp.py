@@ -5,7 +5,8 @@
 Two gloo processes (one thread each) on this machine. Part 1 wraps the same model once in our DDP
 and once in torch DDP (both with default settings), alternates timed forward+backward steps of
 the two inside one process group (a barrier before each, outside the timing) and reports the
-median of the per-pair ratios ours/torch. Models: an MLP of 8 x Linear(1024, 1024) (32 MiB of
+median of the per-pair wall-time ratios ours/torch, plus the training thread's CPU time per step
+(each DDP's own cost, which other load on a shared machine disturbs much less than wall time). Models: an MLP of 8 x Linear(1024, 1024) (32 MiB of
 gradients) and a stack of 150 x Linear(48, 48) (300 small gradient tensors).
 
 Part 2 reduces a fixed gradient set (the MLP's 16 tensors, 32 MiB) with our reducer
@@ -27,7 +28,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -51,14 +52,15 @@ def _many_small(torch):
     return torch.nn.Sequential(*layers[:-1]), (64, 48), 48
 
 
-def _time_step(torch, dist, model, params, x, y) -> float:
+def _time_step(torch, dist, model, params, x, y) -> Tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of one forward + backward."""
     for p in params:
         p.grad = None
     dist.barrier()  # both ranks start together; not timed
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()  # returns once gradients are averaged (both DDPs finalize inside backward)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def _compare_ddp(torch, dist, build: Callable, steps: int, warmup: int) -> Dict[str, Any]:
@@ -85,13 +87,17 @@ def _compare_ddp(torch, dist, build: Callable, steps: int, warmup: int) -> Dict[
             t_torch.append(_time_step(torch, dist, theirs, pb, x, y))
             t_ours.append(_time_step(torch, dist, ours, pa, x, y))
     same = max((a.grad - b.grad).abs().max().item() for a, b in zip(pa, pb))
-    ratios = [a / b for a, b in zip(t_ours, t_torch)]
+    ratios = [a[0] / b[0] for a, b in zip(t_ours, t_torch)]
     return {
         "tensors": len(pa),
         "grad_mib": sum(p.numel() * p.element_size() for p in pa) / 2**20,
         "buckets_ours": len(ours.reducer.buckets),
-        "ours_ms": 1e3 * statistics.median(t_ours),
-        "torch_ms": 1e3 * statistics.median(t_torch),
+        "ours_ms": 1e3 * statistics.median(t[0] for t in t_ours),
+        "torch_ms": 1e3 * statistics.median(t[0] for t in t_torch),
+        # CPU time of the training thread: what each DDP itself costs, less sensitive to other
+        # load on the machine than wall time (communication threads not included).
+        "ours_cpu_ms": 1e3 * statistics.median(t[1] for t in t_ours),
+        "torch_cpu_ms": 1e3 * statistics.median(t[1] for t in t_torch),
         "ratio_median": statistics.median(ratios),
         "ratio_quartiles": [statistics.quantiles(ratios, n=4)[i] for i in (0, 2)],
         "grad_max_abs_diff_vs_torch": same,
@@ -135,21 +141,28 @@ def _reduction(torch, dist, steps: int, warmup: int) -> Dict[str, Any]:
         dist.all_reduce(flat)
 
     def per_tensor():
-        for g in grads:
+        for g in loose:
             dist.all_reduce(g)
 
-    cases = {"ours: GradReducer, grads as bucket views (as DDP)": ours,
-             "ours: GradReducer, grads copied in and out": ours_copying,
-             "one flat allreduce (sum only)": raw_flat,
-             "one flat allreduce + divide (average)": flat_and_divide,
-             "allreduce per tensor (sum only)": per_tensor}
+    def rescale(tensors):
+        # The sum-only cases grow the data n-fold per run: scale back (untimed) to stay finite.
+        return lambda: torch._foreach_mul_(tensors, 1.0 / n)
+
+    loose = [g.clone() for g in grads]
+    no_reset = lambda: None  # noqa: E731
+    cases = {"ours: GradReducer, grads as bucket views (as DDP)": (ours, no_reset),
+             "ours: GradReducer, grads copied in and out": (ours_copying, no_reset),
+             "one flat allreduce (sum only)": (raw_flat, rescale([flat])),
+             "one flat allreduce + divide (average)": (flat_and_divide, no_reset),
+             "allreduce per tensor (sum only)": (per_tensor, rescale(loose))}
     times: Dict[str, List[float]] = {k: [] for k in cases}
     for i in range(warmup + steps):
-        for name, fn in cases.items():
+        for name, (fn, reset) in cases.items():
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
+            reset()
             if i >= warmup:
                 times[name].append(dt)
     out = {"bytes": nbytes, "tensors": len(grads), "buckets": len(reducer.buckets), "cases": {}}
@@ -183,13 +196,14 @@ def _table(res: Dict[str, Any], nprocs: int) -> str:
              f"{res['mlp']['steps']} alternated steps",
              "",
              "| model | grad tensors | grad MiB | ours ms | torch DDP ms "
-             "| ours/torch (median of ratios) | ratio quartiles |",
-             "|---|---|---|---|---|---|---|"]
+             "| ours/torch (median of ratios) | ratio quartiles | main-thread CPU ms ours / torch |",
+             "|---|---|---|---|---|---|---|---|"]
     for key, label in (("mlp", "MLP 8 x Linear(1024,1024)"), ("many_small", "150 x Linear(48,48)")):
         r = res[key]
         lines.append(f"| {label} | {r['tensors']} | {r['grad_mib']:.1f} | {r['ours_ms']:.2f} | "
                      f"{r['torch_ms']:.2f} | {r['ratio_median']:.3f} | "
-                     f"{r['ratio_quartiles'][0]:.3f} - {r['ratio_quartiles'][1]:.3f} |")
+                     f"{r['ratio_quartiles'][0]:.3f} - {r['ratio_quartiles'][1]:.3f} | "
+                     f"{r['ours_cpu_ms']:.1f} / {r['torch_cpu_ms']:.1f} |")
     red = res["reduction"]
     lines += ["", f"## Reducing {red['bytes'] / 2**20:.0f} MiB in {red['tensors']} tensors "
               f"(our reducer: {red['buckets']} buckets)", "",
