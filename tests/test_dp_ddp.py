@@ -368,3 +368,17 @@ def test_buffers_rebroadcast_before_training_forwards_only():
     for rank, (with_bcast, without) in enumerate(run_ranks(_buffers_and_eval, 2, timeout=60)):
         assert with_bcast == 10.0  # rank 0's
         assert without == 10.0 + rank
+
+
+def test_public_surface():
+    import inspect
+
+    import smdistributed.dataparallel.torch.parallel as parallel
+    import smdistributed.dataparallel.torch.parallel.distributed as pd
+
+    assert parallel.DistributedDataParallel is pd.DistributedDataParallel
+    params = inspect.signature(pd.DistributedDataParallel.__init__).parameters.values()
+    assert [(p.name, p.default) for p in params] == [
+        ("self", inspect.Parameter.empty), ("module", inspect.Parameter.empty),
+        ("device_ids", None), ("output_device", None), ("broadcast_buffers", True),
+        ("process_group", None), ("bucket_cap_mb", None)]
