@@ -12,6 +12,7 @@ import collections
 import collections.abc
 import inspect
 import logging
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -145,7 +146,7 @@ def _split_value(value: Any, mb: int, num_mb: int, axis: int, path: str) -> Any:
                 f"number of microbatches (or list it in non_split_inputs to pass it whole)"
             )
         return value.outputs[mb]
-    smp_slice = getattr(value, "smp_slice", None)
+    smp_slice = _smp_slice_of(value)
     if smp_slice is not None and callable(smp_slice) and not isinstance(value, type):
         return smp_slice(num_mb, mb, axis)
     if isinstance(value, torch.Tensor):
@@ -159,6 +160,17 @@ def _split_value(value: Any, mb: int, num_mb: int, axis: int, path: str) -> Any:
             value, {k: _split_value(v, mb, num_mb, axis, _child_path(path, k)) for k, v in value.items()}
         )
     return value
+
+
+def _smp_slice_of(value: Any) -> Any:
+    """``value.smp_slice`` or None. An nn.Module (the model is usually a step argument) is looked
+    up on its class and instance dict: a plain getattr would go through Module.__getattr__, which
+    builds an AttributeError message every step only to have it caught."""
+    if isinstance(value, torch.nn.Module):
+        if hasattr(type(value), "smp_slice") or "smp_slice" in value.__dict__:
+            return value.smp_slice
+        return None
+    return getattr(value, "smp_slice", None)
 
 
 def _split_tensor(tensor: torch.Tensor, mb: int, num_mb: int, axis: int, path: str) -> torch.Tensor:
@@ -178,6 +190,8 @@ def _split_tensor(tensor: torch.Tensor, mb: int, num_mb: int, axis: int, path: s
             f"so the last, smaller batch is dropped; or pass it whole with non_split_inputs, or choose "
             f"another axis with input_split_axes"
         )
+    if num_mb == 1:
+        return tensor  # the whole tensor: a full-size narrow() view would only cost time
     k = size // num_mb
     return tensor.narrow(axis, mb * k, k)
 
@@ -235,6 +249,26 @@ def _signature(fn: Callable) -> Optional[inspect.Signature]:
         return None
 
 
+# Per step function: its signature and its argument plans by call shape. inspect.signature and
+# Signature.bind cost more than splitting a small batch, and a step function is called with the
+# same shape every step, so both are computed once (benchmarks/pp1_overhead.py measures this).
+_fn_cache: "weakref.WeakKeyDictionary[Callable, Tuple[Optional[inspect.Signature], Dict[Any, Any]]]" = \
+    weakref.WeakKeyDictionary()
+_MAX_PLANS_PER_FN = 64  # bounds memory for a function called with ever-new keyword names
+
+
+def _cached(fn: Callable) -> Tuple[Optional[inspect.Signature], Optional[Dict[Any, Any]]]:
+    """(signature, plan cache) of ``fn``; the cache is None when ``fn`` cannot be weakly
+    referenced or hashed (then nothing is cached)."""
+    try:
+        entry = _fn_cache.get(fn)
+        if entry is None:
+            entry = _fn_cache.setdefault(fn, (_signature(fn), {}))
+        return entry
+    except TypeError:
+        return _signature(fn), None
+
+
 def split_step_inputs(
     fn: Callable,
     args: Tuple[Any, ...],
@@ -257,11 +291,20 @@ def split_step_inputs(
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     kwargs = dict(kwargs or {})
     names, axes = _normalise_names(non_split_inputs, input_split_axes)
-    sig = _signature(fn)
-    _validate_names(fn, sig, names, "non_split_inputs")
-    _validate_names(fn, sig, axes, "input_split_axes")
-
-    pos_plan, kw_plan = _plan(fn, sig, args, kwargs, names, axes)
+    sig, plans = _cached(fn)
+    # A plan depends only on the call's shape (how many positionals, which keywords), never on
+    # the values, so a cached one is exactly what _plan (incl. its bind() check) would return.
+    key = (len(args), tuple(kwargs), names, tuple(sorted(axes.items())))
+    planned = plans.get(key) if plans is not None else None
+    if planned is None:
+        _validate_names(fn, sig, names, "non_split_inputs")
+        _validate_names(fn, sig, axes, "input_split_axes")
+        planned = _plan(fn, sig, args, kwargs, names, axes)
+        if plans is not None:
+            if len(plans) >= _MAX_PLANS_PER_FN:
+                plans.clear()
+            plans[key] = planned
+    pos_plan, kw_plan = planned
     return [
         (
             tuple(_split_one(v, path, mb, num_microbatches, whole, axis)
