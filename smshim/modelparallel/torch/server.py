@@ -172,6 +172,8 @@ class ModuleServer:
         self.on_local_backward_done: Optional[Callable[[], None]] = None
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
+        self._backwards_running = 0
+        self._progress_lock = threading.Lock()
         self._real_forward: Dict[str, Callable[..., Any]] = {}
 
     # Proxies -------------------------------------------------------------------------------
@@ -361,8 +363,9 @@ class ModuleServer:
         out_template, outs = flatten(out)
         out_rg = [grad_enabled and t.requires_grad for t in outs]
         if any(out_rg):
-            self._forward_microbatches.add(mb)
-            self._saved[(caller, call_id)] = (inputs, outs, mb)
+            with self._progress_lock:
+                self._forward_microbatches.add(mb)
+                self._saved[(caller, call_id)] = (inputs, outs, mb)
             # Microbatches whose activations this rank holds right now (for the memory benchmark).
             live = len({saved[2] for saved in list(self._saved.values())})
             self.peak_live_microbatches = max(self.peak_live_microbatches, live)
@@ -371,19 +374,26 @@ class ModuleServer:
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                           grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Backward through the graph kept for (caller, call_id); returns the inputs' gradients."""
-        saved = self._saved.pop((caller, call_id), None)
-        if saved is None:
-            return []
-        inputs, outs, _ = saved
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:
-            with self.lock.hold(self._priority(BACKWARD, mb)), \
-                    self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
-                                       caller=caller):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        in_grads = [t.grad if t.requires_grad else None for t in inputs]
-        if (self.on_local_backward_done is not None and not self._saved
-                and len(self._forward_microbatches) >= self._expected_microbatches):
+        with self._progress_lock:
+            saved = self._saved.pop((caller, call_id), None)
+            if saved is None:
+                return []
+            self._backwards_running += 1
+        try:
+            inputs, outs, _ = saved
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            if pairs:
+                with self.lock.hold(self._priority(BACKWARD, mb)), \
+                        self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
+                                           caller=caller):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            in_grads = [t.grad if t.requires_grad else None for t in inputs]
+        finally:
+            with self._progress_lock:
+                self._backwards_running -= 1
+                done = (not self._saved and self._backwards_running == 0
+                        and len(self._forward_microbatches) >= self._expected_microbatches)
+        if done and self.on_local_backward_done is not None:
             self.on_local_backward_done()
         return in_grads
 

@@ -1,9 +1,10 @@
 """Messages between the ranks of one pipeline (PP) group.
 
-Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is exactly one
-sender thread and one receiver thread, on a process group used by nothing else, so messages from
-one rank to another arrive in the order they were sent and gloo's (peer, tag) matching can never
-pair a buffer with the wrong message. A message is a small header (an int64 length, then the
+Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one receiver
+thread, and sends to a peer are serialised by one lock per peer (taken by whichever thread sends,
+so a hop costs no thread hand-off), on a process group used by nothing else: messages from one
+rank to another arrive in the order they were sent and gloo's (peer, tag) matching can never pair
+a buffer with the wrong message. A message is a small header (an int64 length, then the
 pickled `Message` without its tensors, which carries their shapes and dtypes) and the tensors'
 bytes, framed into a single send when it fits in FRAME_BYTES (see `_send_one`). Tensors travel
 through CPU memory on a gloo group, whatever the compute device.
@@ -78,22 +79,20 @@ class Transport:
         self._error: Optional[BaseException] = None
         self._error_lock = threading.Lock()
         self._error_listeners: List[Callable[[BaseException], None]] = []
-        self._outboxes: Dict[int, "queue.Queue[Optional[Message]]"] = {}
+        self._send_locks: Dict[int, threading.Lock] = {}
         self._session_starts: Dict[int, threading.Semaphore] = {}
         self._closed_peers: "queue.Queue[int]" = queue.Queue()
         self._shutdown = False
         self._threads: List[threading.Thread] = []
         self._frames: Dict[int, torch.Tensor] = {}  # one receive buffer per peer (one thread each)
-        for peer in range(len(ranks)):
-            if peer == self.me:
-                continue
-            self._outboxes[peer] = queue.Queue()
+        self.peers = [p for p in range(len(ranks)) if p != self.me]
+        for peer in self.peers:
+            self._send_locks[peer] = threading.Lock()
             self._session_starts[peer] = threading.Semaphore(0)
-            for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
-                t = threading.Thread(target=target, args=(peer,), daemon=True,
-                                     name=f"smp-{name}-{self.me}-{peer}")
-                t.start()
-                self._threads.append(t)
+            t = threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
+                                 name=f"smp-recv-{self.me}-{peer}")
+            t.start()
+            self._threads.append(t)
 
     # ---- errors -----------------------------------------------------------------------------
     @property
@@ -113,9 +112,19 @@ class Transport:
         for fn in self._error_listeners:
             fn(exc)
         if tell_peers:
-            for peer, box in self._outboxes.items():
-                box.put(Message(ERROR, meta=f"pp rank {self.me} (global rank "
-                                            f"{self.ranks[self.me]}) failed: {exc}"))
+            # From a daemon thread: a peer that stopped receiving must not block the raise here.
+            notice = Message(ERROR, meta=f"pp rank {self.me} (global rank {self.ranks[self.me]}) "
+                                         f"failed: {exc}")
+            threading.Thread(target=self._tell_peers, args=(notice,), daemon=True,
+                             name=f"smp-error-{self.me}").start()
+
+    def _tell_peers(self, notice: Message) -> None:
+        for peer in self.peers:
+            try:
+                with self._send_locks[peer]:
+                    self._send_one(self.ranks[peer], notice)
+            except Exception:  # noqa: BLE001  (best effort: the peer may be gone)
+                pass
 
     def check(self) -> None:
         if self._error is not None:
@@ -132,13 +141,9 @@ class Transport:
     def close_session(self, step: int) -> None:
         """Tell every peer we are done with this step; wait until every peer has said the same
         and our own CLOSEs have left (a rank may exit right after its last step)."""
-        sent = []
-        for peer in self._outboxes:
-            msg = Message(CLOSE, step=step)
-            msg.sent = threading.Event()
-            sent.append((peer, msg.sent))
-            self.send(peer, msg)
-        waiting = set(self._outboxes)
+        for peer in self.peers:
+            self.send(peer, Message(CLOSE, step=step))  # returns once sent
+        waiting = set(self.peers)
         while waiting:
             self.check()
             try:
@@ -150,36 +155,23 @@ class Transport:
                     f"finish step {step}: they may have stopped calling the step function"
                 ) from None
             waiting.discard(peer)
-        for peer, event in sent:
-            if not event.wait(timeout=self.timeout_s):
-                self.check()
-                raise PipelineError(f"pp rank {self.me} could not deliver the end of step {step} "
-                                    f"to pp rank {peer} within {self.timeout_s:.0f} s")
         self.check()
 
     # ---- sending ----------------------------------------------------------------------------
     def send(self, peer: int, msg: Message) -> None:
+        """Send from the calling thread. The per-peer lock is the ordering rule: messages to a
+        peer go out whole and one after another, so they arrive in the order they were sent.
+        (A sender thread per peer would cost a thread hand-off on every hop of the pipeline.)"""
         self.check()
-        self._outboxes[peer].put(msg)
-
-    def _send_loop(self, peer: int) -> None:
         dst = self.ranks[peer]
-        box = self._outboxes[peer]
-        while True:
-            msg = box.get()
-            if msg is None:
-                return
-            try:
+        try:
+            with self._send_locks[peer]:
                 self._send_one(dst, msg)
-                sent = getattr(msg, "sent", None)
-                if sent is not None:
-                    sent.set()
-            except Exception as e:  # noqa: BLE001
-                if not self._shutdown:
-                    self.fail(PipelineError(f"pp rank {self.me} could not send {msg.describe()} "
-                                            f"to pp rank {peer} (global rank {dst}): {e}"),
-                              tell_peers=False)
-                return
+        except Exception as e:  # noqa: BLE001
+            err = PipelineError(f"pp rank {self.me} could not send {msg.describe()} to pp rank "
+                                f"{peer} (global rank {dst}): {e}")
+            self.fail(err)
+            raise err from e
 
     def _send_one(self, dst: int, msg: Message) -> None:
         # One frame per message: [header length][body length][pickled header][tensor bytes].
@@ -245,7 +237,5 @@ class Transport:
 
     def shutdown(self) -> None:
         self._shutdown = True
-        for box in self._outboxes.values():
-            box.put(None)
         for sem in self._session_starts.values():
             sem.release()
