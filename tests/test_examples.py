@@ -1,0 +1,87 @@
+"""The examples run end to end through `smshim run`, at small size, and do what they claim."""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from smshim.testing import run_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                                   reason="the digits examples need scikit-learn (the examples extra)")
+
+
+def _run(tmp_path, *args, timeout=150):
+    cmd = [sys.executable, "-m", "smshim", "run", *args]
+    return run_command(cmd, timeout=timeout, cwd=str(tmp_path)).stdout
+
+
+def _loss_fell(out: str) -> tuple:
+    m = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out)
+    assert m, out
+    first, last = float(m.group(1)), float(m.group(2))
+    assert last < first, out
+    return first, last
+
+
+def test_gpt_pipeline_main_job(tmp_path):
+    # The main job's command line, shrunk: pp=2 x dp=2 from the script's own defaults.
+    out_dir = tmp_path / "out"
+    out = _run(tmp_path, "-n", "4", os.path.join(EXAMPLES, "gpt_pipeline.py"), "--steps", "6",
+               "--layers", "2", "--corpus-kb", "64", "--out-dir", str(out_dir))
+    assert "4 processes = pp 2 x dp 2, 4 microbatches, pipeline interleaved" in out, out
+    steps = re.findall(r"^step +(\d+)/6 +loss ([0-9.]+) .* ms/step .* samples/s .* tokens/s$", out, re.M)
+    assert [int(s) for s, _ in steps] == list(range(1, 7)), out  # one line per step, rank 0 only
+    assert re.search(r"after the first: \d+ ms/step, [0-9.]+ samples/s, [0-9.]+k? tokens/s", out), out
+    _loss_fell(out)
+    traces = sorted(os.listdir(out_dir / "trace"))
+    assert traces == [f"trace_rank{r}.json" for r in range(4)], traces
+    with open(out_dir / "trace" / "trace_rank1.json") as f:
+        events = json.load(f)["traceEvents"]
+    # The traced run is two steps of a fresh model, not the training run.
+    assert {e["args"]["step"] for e in events if e.get("cat") == "backward"} == {0, 1}
+    if HAVE_MPL:
+        assert (out_dir / "loss_curve.png").stat().st_size > 1000
+        assert (out_dir / "timeline.png").stat().st_size > 1000
+    else:
+        assert "matplotlib is not installed: skipping loss_curve.png" in out
+
+
+@needs_sklearn
+def test_mnist_smp_from_a_sagemaker_distribution(tmp_path):
+    params = {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True}
+    dist = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": params}},
+            "mpi": {"enabled": True, "processes_per_host": 4}}
+    out = _run(tmp_path, "--distribution", json.dumps(dist), "--output-dir", str(tmp_path / "job"),
+               os.path.join(EXAMPLES, "mnist_smp.py"), "--epochs", "2")
+    assert "4 processes = pp 2 x dp 2, 4 microbatches" in out, out
+    acc = [float(a) for a in re.findall(r"test accuracy ([0-9.]+)%", out)]
+    assert len(acc) == 3 and acc[-1] > 50.0, out  # chance is 10 %
+    model_dir = tmp_path / "job" / "model"  # SM_MODEL_DIR
+    assert sorted(os.listdir(model_dir)) == ["model.pt_0_0", "model.pt_1_0"]
+    assert out.count("saved and re-read") == 2, out
+
+
+@needs_sklearn
+def test_mnist_smddp_legacy_api(tmp_path):
+    out = _run(tmp_path, "-n", "2", "--distribution",
+               '{"smdistributed": {"dataparallel": {"enabled": true}}}',
+               "--output-dir", str(tmp_path / "job"), os.path.join(EXAMPLES, "mnist_smddp.py"),
+               "--epochs", "3")
+    acc = [float(a) for a in re.findall(r"test accuracy ([0-9.]+)%", out)]
+    assert len(acc) == 4 and acc[-1] > 50.0, out
+    assert out.count("epoch 3:") == 1, out  # rank 0 only
+    assert (tmp_path / "job" / "model" / "model.pt").exists()
+
+
+def test_train_dp(tmp_path):
+    out = run_command([sys.executable, "-m", "smshim", "run", "-n", "2",
+                       os.path.join(EXAMPLES, "train_dp.py"), "--steps", "10"],
+                      timeout=120, cwd=str(tmp_path))
+    _loss_fell(out.stdout + out.stderr)  # it logs to stderr
