@@ -369,6 +369,12 @@ from smshim.modelparallel.torch.model import DistributedModel  # noqa: E402
 from smshim.modelparallel.torch.optimizer import DistributedOptimizer  # noqa: E402
 from smshim.modelparallel.torch.partitioner import partition, set_partition  # noqa: E402
 from smshim.modelparallel.torch.step import step  # noqa: E402
+from smshim.modelparallel.torch.checkpoint import (  # noqa: E402
+    load,
+    resume_from_checkpoint,
+    save,
+    save_checkpoint,
+)
 
 
 def _auto_init_wanted(env: Mapping[str, str] = os.environ) -> bool:

@@ -352,24 +352,24 @@ class DistributedModel(nn.Module):
             self._reducer.register_comm_hook(state_, hook)
 
     # ---- state --------------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The full model state, keys as the unwrapped module's (gathered over the PP group)."""
-        if self._pp_size == 1 or not self.partitioned:
-            return self.module.state_dict(*args, **kwargs)
-        raise SMPUnsupportedError("state_dict() of a pipeline-partitioned model is not implemented yet")
+    def state_dict(self, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """The full model state, keys as the unwrapped module's, tensors on the CPU. With pp > 1
+        after partitioning it is gathered over the PP group: call it on every rank of the group."""
+        from . import state_dicts  # (imported here: state_dicts is this method's implementation)
+        return state_dicts.model_state_dict(self, destination, prefix, keep_vars)
 
     def local_state_dict(self) -> Dict[str, Any]:
-        self._require_partitioned("local_state_dict")
-        sd = {n: p.detach() for n, p in self.local_named_parameters()}
-        sd.update({n: b.detach() for n, b in self.local_named_buffers()})
-        sd["_smp_is_partial"] = True
-        return sd
+        """This rank's entries of the full state dict, with `_smp_is_partial: True` and the pp
+        degree, pp rank and partition it was saved under."""
+        from . import state_dicts
+        return state_dicts.model_local_state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
-        if self._pp_size == 1:
-            sd = {k: v for k, v in state_dict.items() if k != "_smp_is_partial"}
-            return self.module.load_state_dict(sd, strict=strict)
-        raise SMPUnsupportedError("load_state_dict() of a pipeline-partitioned model is not implemented yet")
+        """Load a full or partial (`_smp_is_partial`) state dict; each rank takes its local
+        entries. A partial dict given before partitioning is applied right after it."""
+        from . import state_dicts
+        return state_dicts.model_load_state_dict(self, state_dict, strict)
 
     def cpu(self) -> "DistributedModel":
         self.module.cpu()
