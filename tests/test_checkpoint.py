@@ -230,3 +230,27 @@ def test_save_resume_with_data_parallel_replicas(tmp_path):
     module = make_model("net")
     module.load_state_dict(torch.load(os.path.join(d, "full2.pt")))
     assert_same(module.state_dict(), res[0]["s2"], where="full checkpoint")
+
+
+def _job_pp1(d):
+    smp, model, opt, train = _setup({"pipeline_parallel_degree": 1})
+    train(DATA[:2])
+    smp.save_checkpoint(d, "p", model=model, optimizer=opt, user_content=Progress(2, "p"))
+    smp.save_checkpoint(d, "f.pt", partial=False, model=model, optimizer=opt)
+    train(DATA[2:])
+    s4, o4 = _full_state(model, opt)
+    out = {}
+    for partial, tag in ((True, "p"), (False, "f.pt")):
+        smp.reset()
+        smp, model, opt, train = _setup({"pipeline_parallel_degree": 1})
+        out[tag] = smp.resume_from_checkpoint(d, tag=tag, partial=partial)
+        train(DATA[2:])
+        out[tag, "state"] = _full_state(model, opt)
+    return s4, o4, out
+
+
+def test_pp1_partial_and_full_checkpoints(tmp_path):
+    s4, o4, out = run_ranks(_job_pp1, 1, str(tmp_path), timeout=120)[0]
+    assert out["p"] == Progress(2, "p") and out["f.pt"] is None
+    for tag in ("p", "f.pt"):
+        assert_same(out[tag, "state"], (s4, o4), where=f"pp=1 resume from {tag}")

@@ -35,11 +35,10 @@ import os
 import pickle
 import re
 import secrets
-from typing import IO, Any, Callable, List, Optional, Tuple, Union
+from typing import IO, Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from . import state_dicts
 from .comm import CommGroup, allgather
 from .errors import SMPRuntimeError, SMPValidationError
 from .state import require_init, state
@@ -195,7 +194,8 @@ def load(f: PathLike, map_location: Any = None, partial: bool = True,
 def _rank_files(directory: str) -> Tuple[str, str]:
     topo = state.topology
     suffix = f"{topo.pp_rank}_{topo.tp_rank}.pt"
-    return os.path.join(directory, f"model_{suffix}"), os.path.join(directory, f"optimizer_{suffix}")
+    return (os.path.join(directory, f"model_{suffix}"),
+            os.path.join(directory, f"optimizer_{suffix}"))
 
 
 def _translate_to_hf(sd: Any) -> Any:

@@ -69,7 +69,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise RuntimeError(
                 f"DistributedOptimizer: the optimizer does not hold the model parameter(s) "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; build it from model.parameters()")
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; build it from "
+                "model.parameters()")
         # torch's __init__ sets up the hook dictionaries; the placeholder group it needs is kept
         # aside (see _shared) and never used once `.optimizer` is set.
         torch.optim.Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})

@@ -99,8 +99,8 @@ def _check_partial_meta(meta: Dict[str, Any], what: str) -> None:
     if saved_size is not None and int(saved_size) != pp_size:
         raise SMPValidationError(
             f"{what}: this partial state dict was saved at pipeline_parallel_degree={saved_size} "
-            f"(pp rank {saved_rank}) and this job runs pipeline_parallel_degree={pp_size}. A partial "
-            f"checkpoint only loads at the degree it was saved with: run with "
+            f"(pp rank {saved_rank}) and this job runs pipeline_parallel_degree={pp_size}. "
+            f"A partial checkpoint only loads at the degree it was saved with: run with "
             f"pipeline_parallel_degree={saved_size}, or load a full checkpoint "
             "(model.state_dict() / smp.save_checkpoint(..., partial=False)), which loads at any "
             "degree")
@@ -233,12 +233,13 @@ def _check_partition(model: "DistributedModel", meta: Dict[str, Any]) -> None:
     moved = [(name, saved.get(name), now.get(name)) for name in sorted(set(saved) | set(now))
              if saved.get(name, 0) != now.get(name, 0)]
     if moved:
-        desc = ", ".join(f"{n or '<root>'}: saved on pp rank {a}, now on {b}" for n, a, b in moved[:5])
+        desc = ", ".join(f"{n or '<root>'}: saved on pp rank {a}, now on {b}"
+                         for n, a, b in moved[:5])
         raise SMPValidationError(
             f"DistributedModel.load_state_dict: this partial state dict was saved under a "
             f"different partition ({desc}{' ...' if len(moved) > 5 else ''}). Partial checkpoints "
-            "need the same partition: use manual partitioning (smp.partition / set_partition) so it "
-            "is the same in both jobs, or save and load a full checkpoint")
+            "need the same partition: use manual partitioning (smp.partition / set_partition) so "
+            "it is the same in both jobs, or save and load a full checkpoint")
 
 
 def _apply_model(model: "DistributedModel", meta: Dict[str, Any], body: "OrderedDict[str, Any]",
@@ -301,7 +302,7 @@ def _local_indices(dopt: "DistributedOptimizer") -> Optional[Set[int]]:
     model = state.model
     if model is None or model._pp_size == 1:
         return None
-    model._require_partitioned("DistributedOptimizer local state")
+    model._require_partitioned("DistributedOptimizer.local_state_dict")
     mapping = _param_indices(dopt.optimizer)
     return {mapping[id(p)] for p in model.local_parameters() if id(p) in mapping}
 
