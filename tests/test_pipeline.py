@@ -125,3 +125,12 @@ def test_data_parallel_only_and_end_of_step_reduction():
                                            "microbatches": 4}, 3, 16, None,
                         {"overlapping_allreduce": False}, timeout=150)
     _check(results, "net", batch=16)
+
+
+def test_deterministic_server_gives_bit_identical_runs():
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 4, "deterministic_server": True}
+    runs = [run_ranks(_train, 2, "tied", cfg, 3, 8, timeout=150) for _ in range(2)]
+    _check(runs[0], "tied")
+    for a, b in zip(*runs):
+        for n, p in a["params"].items():
+            assert torch.equal(p, b["params"][n]), n

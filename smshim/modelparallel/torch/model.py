@@ -79,7 +79,6 @@ class DistributedModel(nn.Module):
         self._post_step_hooks: List[Callable] = []
         self._assignment: Optional[Dict[str, int]] = None
         self._pipeline: Optional[Pipeline] = None
-        self._pending_state_dict = None
         topo = state.topology
         self._pp_size = topo.pp_size
         self._pp_rank = topo.pp_rank
@@ -309,7 +308,7 @@ class DistributedModel(nn.Module):
         self._pipeline = Pipeline(
             self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
-            _runtime.timeout_seconds(), self._device)
+            _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
         self._setup_data_parallel()
         for fn in list(self._post_partition_hooks):
             fn(self, state.optimizer)

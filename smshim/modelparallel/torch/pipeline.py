@@ -35,10 +35,16 @@ logger = logging.getLogger(__name__)
 class Pipeline:
     def __init__(self, root: nn.Module, assignment: dict, ranks: List[int], pp_rank: int,
                  group: dist.ProcessGroup, pipeline: str, active_microbatches: int,
-                 timeline: Timeline, timeout_s: float, device: torch.device) -> None:
+                 timeline: Timeline, timeout_s: float, device: torch.device,
+                 deterministic: bool = False) -> None:
         self.pp_rank = pp_rank
         self.pipeline = pipeline
         self.active_microbatches = active_microbatches
+        # deterministic_server: microbatch i's backward starts only after every earlier
+        # microbatch's backward has finished, so gradients accumulate in the same order on every
+        # run (bit-identical results) at the cost of overlapping backwards across microbatches.
+        self.deterministic = deterministic
+        self._backward_finished: set = set()
         self.timeline = timeline
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
@@ -78,6 +84,7 @@ class Pipeline:
         schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m))
         self._schedule = self.server.schedule = schedule
         self._forwards_done = 0
+        self._backward_finished = set()
         self.server.begin_step(m)
         self.transport.open_session()
         results: List[Any] = [None] * m
@@ -101,6 +108,7 @@ class Pipeline:
                     if not ctx.forward_done:
                         self._forwards_done += 1
                     counts["finished"] += 1
+                    self._backward_finished.add(mb)
                     self._cond.notify_all()
 
         threads = []
@@ -140,7 +148,8 @@ class Pipeline:
                 ctx.forward_done = True
                 self._forwards_done += 1
                 self._cond.notify_all()
-            while not schedule.may_start_backward(self._forwards_done):
+            while not schedule.may_start_backward(self._forwards_done) or (
+                    self.deterministic and not self._backward_finished.issuperset(range(mb))):
                 self.transport.check()
                 if time.monotonic() > deadline:
                     raise PipelineError(
@@ -151,6 +160,9 @@ class Pipeline:
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
+        with self._cond:
+            self._backward_finished.add(mb)
+            self._cond.notify_all()
 
     # ---- other pp ranks -----------------------------------------------------------------------
     def serve(self, microbatches: int) -> List[Any]:
