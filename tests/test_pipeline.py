@@ -18,7 +18,18 @@ def _train(kind, cfg, steps=3, batch=8, manual=None, model_kwargs=None):
     dp, dp_rank = smp.dp_size(), smp.dp_rank()
     module = make_model(kind)
     total = sum(p.numel() for p in module.parameters())
-    model = smp.DistributedModel(module, **(model_kwargs or {}))
+    model_kwargs = dict(model_kwargs or {})
+    comm_hook = model_kwargs.pop("comm_hook", None)
+    model = smp.DistributedModel(module, **model_kwargs)
+    hook_calls = []
+    if comm_hook == "torch_allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(pg, bucket):
+            hook_calls.append(bucket.index())
+            return allreduce_hook(pg, bucket)
+
+        model.register_comm_hook(smp.get_dp_process_group(), counting_hook)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
     if manual:
         for name, pid in manual.items():
@@ -43,7 +54,8 @@ def _train(kind, cfg, steps=3, batch=8, manual=None, model_kwargs=None):
     local = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     return {"params": local, "total": total, "losses": losses, "pp_rank": smp.pp_rank(),
             "dp_rank": dp_rank, "assignment": dict(model._assignment),
-            "early_reductions": model._pipeline.early_reductions if model._pipeline else 0}
+            "early_reductions": model._pipeline.early_reductions if model._pipeline else 0,
+            "hook_calls": len(hook_calls)}
 
 
 def _check(results, kind, batch=8):
@@ -134,3 +146,12 @@ def test_deterministic_server_gives_bit_identical_runs():
     for a, b in zip(*runs):
         for n, p in a["params"].items():
             assert torch.equal(p, b["params"][n]), n
+
+
+def test_comm_hook_under_ddp():
+    results = run_ranks(_train, 4, "net", {"pipeline_parallel_degree": 2, "ddp": True,
+                                           "microbatches": 2}, 3, 16, None,
+                        {"comm_hook": "torch_allreduce", "bucket_cap_mb": 0.001,
+                         "gradient_as_bucket_view": True}, timeout=150)
+    _check(results, "net", batch=16)
+    assert all(r["hook_calls"] >= 3 * 2 for r in results)  # several buckets, every step
