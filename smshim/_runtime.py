@@ -120,7 +120,8 @@ def default_backend() -> str:
 def device() -> torch.device:
     """The device this process computes on: its local GPU under NCCL, else the CPU."""
     backend = dist.get_backend() if dist.is_initialized() else default_backend()
-    if backend == "nccl":
+    # smddp delegates CUDA tensors to NCCL: with a GPU it computes there too.
+    if backend == "nccl" or (backend == "smddp" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -155,3 +155,44 @@ def test_comm_hook_under_ddp():
                          "gradient_as_bucket_view": True}, timeout=150)
     _check(results, "net", batch=16)
     assert all(r["hook_calls"] >= 3 * 2 for r in results)  # several buckets, every step
+
+
+def _uneven(steps_per_replica, batch=16):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
+    dp_rank = smp.dp_rank()
+    model = smp.DistributedModel(make_model("net"))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("net", model(x, scale=0.5), y)
+        model.backward(loss)
+        return loss
+
+    k = batch // 2
+    with model.join():
+        for x, y in batches("net", steps_per_replica[dp_rank], batch):
+            opt.zero_grad()
+            train_step(model, x[dp_rank * k:(dp_rank + 1) * k], y[dp_rank * k:(dp_rank + 1) * k])
+            opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+            "dp_rank": dp_rank, "pp_rank": smp.pp_rank()}
+
+
+def test_join_with_uneven_inputs():
+    results = run_ranks(_uneven, 4, [3, 2], timeout=150)
+    # Reference: steps 1-2 on both replicas' data, step 3 on replica 0's half only.
+    ref_model = make_model("net")
+    opt = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches("net", 3, 16)):
+        if i == 2:
+            x, y = x[:8], y[:8]
+        opt.zero_grad()
+        loss_fn("net", ref_model(x, scale=0.5), y).backward()
+        opt.step()
+    ref = dict(ref_model.named_parameters())
+    for r in results:  # every replica ends with the longest-training replica's parameters
+        for n, p in r["params"].items():
+            assert (p - ref[n].detach()).abs().max() < 1e-5, (n, r["dp_rank"])

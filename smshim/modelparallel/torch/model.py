@@ -9,6 +9,7 @@ every later step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -21,7 +22,7 @@ from smshim import _runtime
 from . import partitioner
 from .comm import CommGroup
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
-                     MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
+                     MultipleDistributedModelError, SMPRuntimeError)
 from .pipeline import Pipeline
 from smshim._reducer import GradReducer
 from .server import ctx
@@ -75,6 +76,7 @@ class DistributedModel(nn.Module):
         self._reducer: Optional[GradReducer] = None
         self._comm_hook: Optional[Tuple[Any, Callable]] = None
         self._steps_done = 0
+        self._joining, self._join_rounds = False, 0
         self._post_partition_hooks: List[Callable] = []
         self._post_step_hooks: List[Callable] = []
         self._assignment: Optional[Dict[str, int]] = None
@@ -340,7 +342,72 @@ class DistributedModel(nn.Module):
     def _reduce_gradients_if_due(self) -> None:
         """Average local gradients over the DP group on every backward_passes_per_step-th step."""
         if self._reducer is not None and (self._steps_done + 1) % self.backward_passes_per_step == 0:
-            self._reducer.finalize()
+            if self._joining:
+                self._join_round(active=True)
+            else:
+                self._reducer.finalize()
+
+    def _join_round(self, active: bool) -> int:
+        """One reduction round inside `join()`: agree on how many replicas still train, reduce
+        (a joined replica contributes zeros), and rescale to the average over the active ones.
+        Returns the number of active replicas (0: everyone has joined, nothing was reduced)."""
+        group = state.process_group(CommGroup.DP_GROUP)
+        flag = torch.tensor([1 if active else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=group)
+        n_active = int(flag.item())
+        if n_active == 0:
+            return 0
+        params = [p for p in self._reducer.params]
+        if not active:
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        self._reducer.finalize()
+        if active:
+            self._join_rounds += 1
+            scale = state.topology.dp_size / n_active
+            if scale != 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        else:
+            for p in params:
+                p.grad.zero_()  # the joined replica does not train on the others' gradients
+        return n_active
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Uneven inputs across DP replicas (ddp: true), as torch DDP's join: inside the context
+        each gradient reduction first counts the replicas still training; a replica whose data
+        ran out shadows the others' reductions with zero gradients when it leaves the context,
+        until every replica has left; then all replicas take the parameters of the one that
+        trained longest. Every rank of the job must enter and leave the context."""
+        if state.topology.dp_size == 1:
+            yield  # no data parallelism: nothing to even out
+            return
+        self._joining, self._join_rounds = True, 0
+        try:
+            yield
+            if self._reducer is None:
+                raise SMPRuntimeError(
+                    f"rank {state.topology.rank} left model.join() without running a step: every "
+                    "replica must run at least one step (the first step partitions the model)")
+            while self._join_round(active=False):
+                pass
+            self._sync_after_join()
+        finally:
+            self._joining = False
+
+    def _sync_after_join(self) -> None:
+        """Every replica takes the parameters of the replica that reduced the most rounds."""
+        group = state.process_group(CommGroup.DP_GROUP)
+        members = state.topology.group(CommGroup.DP_GROUP)
+        rounds = torch.tensor([self._join_rounds * len(members) + members.index(state.topology.rank)],
+                              dtype=torch.int64)
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)
+        src = members[int(rounds.item()) % len(members)]
+        with torch.no_grad():
+            for _, t in list(self.local_named_parameters()) + list(self.local_named_buffers()):
+                dist.broadcast(t.data, src, group=group)
 
     def register_comm_hook(self, state_: Any, hook: Callable) -> None:
         """torch DDP's communication hook, for the DP-group gradient reduction (ddp: true)."""
@@ -374,10 +441,6 @@ class DistributedModel(nn.Module):
         self.module.cpu()
         return self
 
-    def join(self):
-        raise SMPUnsupportedError(
-            "join() (uneven inputs across DP replicas) is not implemented: give every DP rank the "
-            "same number of steps (drop_last=True on a DistributedSampler)")
 
     def _on_reset(self) -> None:
         if self._pipeline is not None:
