@@ -121,7 +121,8 @@ def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def sample_batch(data: torch.Tensor, batch: int, context: int, g: torch.Generator):
+def sample_batch(data: torch.Tensor, batch: int, context: int, g: torch.Generator) -> tuple:
+    """`batch` random windows of the corpus: inputs and the same shifted by one (next bytes)."""
     starts = torch.randint(0, len(data) - context - 1, (batch,), generator=g)
     offsets = torch.arange(context + 1)
     windows = data[starts[:, None] + offsets]
@@ -147,10 +148,12 @@ def parse_args() -> argparse.Namespace:
                    help="trace the pipeline and draw one step's timeline (default on)")
     # SageMaker passes the hyperparameters, including mp_parameters, as arguments too.
     args, _ = p.parse_known_args()
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (the loss has to be seen falling)")
     return args
 
 
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace) -> tuple:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = smp.DistributedModel(GPT(256, args.context, args.d_model, args.heads, args.layers))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr,

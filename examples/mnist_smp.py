@@ -89,9 +89,6 @@ def main() -> int:
     p.add_argument("--model-dir", default=os.environ.get("SM_MODEL_DIR", "smshim_output/model"))
     args, _ = p.parse_known_args()  # SageMaker also passes --mp_parameters
 
-    if not hasattr(smp, "save"):
-        raise SystemExit("this smshim has no smp.save yet (smshim/modelparallel/torch/checkpoint.py): "
-                         "update smshim to run this example")
     smp.init(DEFAULT_MP_CONFIG)  # SM_HP_MP_PARAMETERS, when set, wins
     torch.manual_seed(args.seed)
 

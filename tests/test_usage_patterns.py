@@ -34,7 +34,7 @@ def _init_at_import():
         opt.zero_grad()
         out = script.train_step(model, x, y)
         opt.step()
-    return {"params": _local(model), "x": x, "y": y,
+    return {"params": _local(model), "y": y,
             "kinds": {k: type(v).__name__ for k, v in out.items()},
             "loss_outputs": [t.clone() for t in out["loss"].outputs],  # read directly
             "logits": out["logits"].concat(), "correct": out["correct"], "tag": out["tag"]}
@@ -47,7 +47,7 @@ def test_init_at_import_and_dict_step_output():
     assert r0["kinds"] == {"loss": "StepOutput", "logits": "StepOutput", "correct": "list", "tag": "list"}
     assert r0["tag"] == ["train", "train"]
     # Each microbatch's values, as the step body saw them, on both pipeline ranks.
-    x, y = r0["x"], r0["y"]
+    y = r0["y"]
     assert len(r0["loss_outputs"]) == 2 and r0["logits"].shape == (8, 4)
     for mb in range(2):
         sl = slice(4 * mb, 4 * mb + 4)
