@@ -301,10 +301,6 @@ def test_legacy_init_then_guarded_torch_init():
     assert run_ranks(_legacy_init_then_torch_init, 2, True, timeout=60) == [4.0, 4.0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "smshim's legacy dist.init_process_group() creates torch's default process group, so a later "
-    "unconditional torch.distributed.init_process_group(backend='smddp') raises torch's 'trying to "
-    "initialize the default process group twice' (the legacy smddp API has a communicator of its own)"))
 def test_legacy_init_then_unconditional_torch_init():
     assert run_ranks(_legacy_init_then_torch_init, 2, False, timeout=60) == [4.0, 4.0]
 
@@ -482,11 +478,6 @@ def test_trainer_style_loop(trainer_run):
                                                          abs=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DistributedModel._after_step (model.py) runs post-step hooks after every step; Hugging Face "
-    "registers opt_load_hook with register_post_step_hook and never removes it, so every later "
-    "step reloads the checkpoint's optimizer state (Adam moments, step count, lr) and the resumed "
-    "run leaves the uninterrupted one from its second optimizer step on"))
 def test_trainer_resume_continues_like_the_uninterrupted_run(trainer_run):
     results, _ = trainer_run
     assert_close(merge_local(results, "resumed_params"), _hf_reference(OPT_STEPS))

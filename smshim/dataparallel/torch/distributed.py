@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 from typing import Any, List, Optional
 
 import torch
@@ -61,12 +62,23 @@ def _pg(g: Any) -> Optional[_dist.ProcessGroup]:
     )
 
 
+# init_process_group() was called. Real smddp has a communicator of its own, so a script that
+# imported torch_smddp may still call torch.distributed.init_process_group(backend="smddp") after
+# this API's init: then we do not claim torch's default group at once; torch's call creates it
+# (and it serves this API too), or else the first collective here does (every rank makes it).
+# Without torch_smddp, init brings the default group up at once, so torch.distributed works too.
+_joined = False
+
+
 def _require_init(fn: str) -> None:
-    if not _dist.is_initialized():
+    if _dist.is_initialized():
+        return
+    if not _joined:
         raise RuntimeError(
             f"smdistributed.dataparallel: {fn}() called before init_process_group() "
             f"(rank {_runtime.detect_launch().rank})"
         )
+    _runtime.init_distributed()
 
 
 def _op(op: Any) -> ReduceOp:
@@ -142,25 +154,41 @@ def is_available() -> bool:
 
 
 def init_process_group(*args: Any, **kwargs: Any) -> None:
-    """Join the job's default group; arguments are accepted and ignored, as in smddp."""
-    if _dist.is_initialized():
+    """Join the job; arguments are accepted and ignored, as in smddp. Rank and size come from
+    the launcher; the environment is checked now, on every rank (see `_joined`)."""
+    global _joined
+    if _joined or _dist.is_initialized():
         logger.info("init_process_group: already initialised")
-        return
-    _runtime.init_distributed()
+    _runtime.detect_launch()
+    _joined = True
+    if "smshim.dataparallel.torch.torch_smddp" not in sys.modules:
+        _runtime.init_distributed()
 
 
 def is_initialized() -> bool:
-    return _dist.is_initialized()
+    return _joined or _dist.is_initialized()
+
+
+def _world_or_group(fn: str, g: Any) -> Optional[_dist.ProcessGroup]:
+    """None when the question is about WORLD and no group is needed to answer it."""
+    if not _dist.is_initialized() and _joined and (g is None or g is group.WORLD):
+        return None
+    _require_init(fn)
+    return _pg(g)
 
 
 def get_world_size(group: Any = group.WORLD) -> int:
-    _require_init("get_world_size")
-    return _dist.get_world_size(_pg(group))
+    pg = _world_or_group("get_world_size", group)
+    if pg is None and not _dist.is_initialized():
+        return _runtime.detect_launch().world_size  # no collective just to ask
+    return _dist.get_world_size(pg)
 
 
 def get_rank(group: Any = group.WORLD) -> int:
-    _require_init("get_rank")
-    return _dist.get_rank(_pg(group))
+    pg = _world_or_group("get_rank", group)
+    if pg is None and not _dist.is_initialized():
+        return _runtime.detect_launch().rank
+    return _dist.get_rank(pg)
 
 
 def get_local_rank() -> int:

@@ -164,6 +164,7 @@ class DistributedModel(nn.Module):
         return _HookHandle(self._post_partition_hooks, fn)
 
     def register_post_step_hook(self, fn: Callable) -> _HookHandle:
+        """`fn(model, optimizer)` runs once, right after the next @smp.step call returns."""
         self._post_step_hooks.append(fn)
         return _HookHandle(self._post_step_hooks, fn)
 
@@ -234,7 +235,10 @@ class DistributedModel(nn.Module):
         return results
 
     def _after_step(self) -> None:
-        for fn in list(self._post_step_hooks):
+        # A post-step hook runs once, after the next step (Hugging Face registers one to load
+        # optimizer state once the model is partitioned, and never removes it).
+        hooks, self._post_step_hooks[:] = list(self._post_step_hooks), []
+        for fn in hooks:
             fn(self, state.optimizer)
 
     # ---- partitioning -------------------------------------------------------------------------
