@@ -9,8 +9,9 @@ traceback; nothing can hang the caller.
 `run_command(cmd, timeout)` runs a launcher command line (torchrun, mpirun, smshim run) in its own
 process group and kills the whole group on timeout.
 
-Processes come from a forkserver that has already imported torch, so each costs a fork instead
-of a fresh interpreter plus torch import (and no parent OpenMP state is inherited through fork).
+Processes come from a forkserver that has already imported torch (and torch._dynamo, which the
+first optimizer step would import), so each costs a fork instead of a fresh interpreter plus
+torch import (and no parent OpenMP state is inherited through fork).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def _context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        # torch._dynamo is imported by the first optimizer step and costs seconds per process:
+        # import it once, in the server. (Not smshim's modules: some tests check what their import
+        # does in a fresh rank.)
+        _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim"])
     return _ctx
 
 

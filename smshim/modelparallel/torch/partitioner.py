@@ -233,13 +233,36 @@ def auto_assignment(root: nn.Module, trace: Trace, pp_size: int, memory_weight: 
     cost = _subtree_costs(root, trace, memory_weight, times)
     out: Dict[str, int] = {}
 
+    first_run: Dict[str, int] = {}  # a module's, or else its earliest descendant's, first call
+    for name, rec in trace.modules.items():
+        if rec.order < 0:
+            continue
+        parts = name.split(".") if name else []
+        for i in range(len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            first_run[prefix] = min(first_run.get(prefix, rec.order), rec.order)
+
     def order_of(name: str) -> int:
-        o = trace.modules.get(name, ModuleTrace()).order
-        return o if o >= 0 else 1 << 30  # never ran: last
+        return first_run.get(name, 1 << 30)  # never ran: last
 
     def assign_all(name: str, m: nn.Module, device: int) -> None:
         for sub, _ in m.named_modules(prefix=name, remove_duplicate=False):
             out.setdefault(sub, device)
+
+    def units_of(name: str, m: nn.Module) -> List[tuple]:
+        """`m`'s children in execution order, with containers that are never called themselves
+        (ModuleList, ModuleDict, ...) replaced by their own children: the forward that indexes
+        into a container calls its members one by one, so they are the units to split."""
+        units = []
+        for c, child in m.named_children():
+            cname = f"{name}.{c}" if name else c
+            ran = trace.modules.get(cname, ModuleTrace()).order >= 0
+            if not ran and any(True for _ in child.children()):
+                units.extend(units_of(cname, child))
+            else:
+                units.append((cname, child))
+        units.sort(key=lambda u: order_of(u[0]))
+        return units
 
     def assign(units: List[tuple], devices: List[int]) -> None:
         """`units`: (name, module) siblings in execution order; `devices`: pp ranks to use."""
@@ -250,8 +273,7 @@ def auto_assignment(root: nn.Module, trace: Trace, pp_size: int, memory_weight: 
         if len(units) == 1:
             name, m = units[0]
             out[name] = devices[0]  # the module's own forward and parameters
-            children = [(f"{name}.{c}" if name else c, ch) for c, ch in m.named_children()]
-            children.sort(key=lambda u: order_of(u[0]))
+            children = units_of(name, m)
             if children:
                 assign(children, devices)
             return
@@ -268,6 +290,12 @@ def auto_assignment(root: nn.Module, trace: Trace, pp_size: int, memory_weight: 
 
     assign([("", root)], list(range(pp_size)))
     out[""] = 0
+    # Containers that were flattened away go with their first member (they hold nothing);
+    # innermost first, so a container of containers sees its members' places.
+    for name, m in reversed(list(root.named_modules(remove_duplicate=False))):
+        if name not in out:
+            members = [f"{name}.{c}" for c, _ in m.named_children()]
+            out[name] = min((out[c] for c in members if c in out), default=0)
     return _tie_fixup(root, out, order=lambda n: order_of(n))
 
 

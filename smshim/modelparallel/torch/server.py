@@ -67,50 +67,40 @@ class _Slot:
         return (_Slot, (self.index,))
 
 
+def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild nested list/tuple/namedtuple/dict (subclasses too) with `fn` applied to leaves."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_leaves(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_leaves(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        # A dict subclass (e.g. Hugging Face's ModelOutput) is rebuilt without calling its
+        # __init__, whose signature is its own.
+        out = {} if type(obj) is dict else type(obj).__new__(type(obj))
+        if type(obj) is not dict:
+            dict.__init__(out)
+        for k, v in obj.items():
+            out[k] = _map_leaves(v, fn)
+        return out
+    return fn(obj)
+
+
 def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
-    """Replace every tensor in nested list/tuple/namedtuple/dict by a slot; return (template, tensors)."""
+    """Replace every tensor in nested containers by a slot; return (template, tensors)."""
     tensors: List[torch.Tensor] = []
 
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            tensors.append(o)
+    def to_slot(leaf):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
             return _Slot(len(tensors) - 1)
-        if isinstance(o, tuple) and hasattr(o, "_fields"):
-            return type(o)(*(walk(x) for x in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(x) for x in o)
-        if isinstance(o, dict):
-            out = type(o).__new__(type(o)) if type(o) is not dict else {}
-            if type(o) is not dict:
-                dict.__init__(out)
-            for k, v in o.items():
-                out[k] = walk(v)
-            return out
-        return o
+        return leaf
 
-    return walk(obj), tensors
+    return _map_leaves(obj, to_slot), tensors
 
 
 def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of `flatten`."""
-
-    def walk(o):
-        if isinstance(o, _Slot):
-            return tensors[o.index]
-        if isinstance(o, tuple) and hasattr(o, "_fields"):
-            return type(o)(*(walk(x) for x in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(x) for x in o)
-        if isinstance(o, dict):
-            out = type(o).__new__(type(o)) if type(o) is not dict else {}
-            if type(o) is not dict:
-                dict.__init__(out)
-            for k, v in o.items():
-                out[k] = walk(v)
-            return out
-        return o
-
-    return walk(template)
+    return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
 
 
 # ---- caller side ---------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""The automatic partitioner, in-process: tracing, the contiguous split, device allocation,
+containers, tied weights."""
+
+import torch
+import torch.nn as nn
+
+from smshim.modelparallel.torch.partitioner import (auto_assignment, proportional_devices,
+                                                     split_contiguous, trace_modules)
+from tests.pipeline_models import Block, Net
+
+
+class GPTLike(nn.Module):
+    def __init__(self, vocab=32, d=16, n=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tok):
+        h = self.embed(tok)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+def _assign(model, x, pp, mw=0.5):
+    with torch.no_grad():
+        trace = trace_modules(model, lambda: model(x), times=False)
+    return auto_assignment(model, trace, pp, mw, times=False)
+
+
+def test_split_contiguous_minimises_the_largest_group():
+    assert split_contiguous([1, 1, 1, 1], 2) == [2, 2]
+    assert split_contiguous([4, 1, 1, 1, 1], 2) == [1, 4]
+    assert split_contiguous([1, 2, 3], 5) == [1, 1, 1]  # never more groups than items
+
+
+def test_devices_in_proportion_to_cost():
+    assert proportional_devices([3.0, 1.0], 4) == [3, 1]
+    assert proportional_devices([1.0, 1.0], 2) == [1, 1]
+    assert sum(proportional_devices([5.0, 0.1, 0.1], 8)) == 8
+
+
+def test_blocks_in_a_module_list_are_spread_and_tied_modules_stay_together():
+    model = GPTLike()
+    for pp in (2, 4):
+        a = _assign(model, torch.randint(0, 32, (2, 6)), pp)
+        blocks = [a[f"blocks.{i}"] for i in range(8)]
+        assert set(blocks) == set(range(pp)), blocks  # every stage gets blocks
+        assert blocks == sorted(blocks)  # in execution order
+        assert a["embed"] == a["head"] == 0  # tied: with the first to run
+        assert a["blocks"] == blocks[0]  # the container goes with its first member
+        assert a[""] == 0
+
+
+def test_every_module_is_assigned_and_submodules_follow_their_block():
+    model = Net(n_blocks=4)
+    a = _assign(model, torch.randn(4, 8), 2)
+    assert set(a) == {n for n, _ in model.named_modules()}
+    for i in range(4):
+        assert a[f"blocks.{i}.lin"] == a[f"blocks.{i}"] == a[f"blocks.{i}.norm"]
