@@ -151,6 +151,27 @@ class Stage1(nn.Module):
         return self.head(h)
 
 
+class LossStage1(nn.Module):
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.stage = Stage1(model)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.stage(h), targets)
+
+
+class StagedGPT(nn.Module):
+    """The same layers, written as two stage modules: the root's forward then makes one call per
+    microbatch into partition 1 instead of one per block (plus one for the head)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.s0, self.s1 = Stage0(model), LossStage1(model)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.s1(self.s0(tokens), targets)
+
+
 def make_model() -> GPT:
     torch.manual_seed(0)  # identical weights in every copy, on every rank
     return GPT(**MODEL)
@@ -175,13 +196,15 @@ def _smshim_setup(m: int, schedule: str, partition: str):
     if schedule == "simple":
         cfg["active_microbatches"] = m  # else smp switches simple to interleaved
     smp.init(cfg)
-    module = make_model()
+    module = StagedGPT(make_model()) if partition == "stages" else make_model()
     model = smp.DistributedModel(module)
     if partition == "manual":
         half = len(module.blocks) // 2
         for block in module.blocks[half:]:
             smp.set_partition(block, 1)
         smp.set_partition(module.head, 1)
+    elif partition == "stages":
+        smp.set_partition(module.s1, 1)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
 
     @smp.step
@@ -261,7 +284,7 @@ def _compare(m: int, schedule: str, partition: str, warmup: int, steps: int) -> 
             losses[name].append(loss)
     # Which blocks each rank ended up owning (interesting for the auto partition).
     owned = sorted({".".join(n.split(".")[:2 if n.startswith("blocks.") else 1])
-                    for n, _ in model.local_named_parameters()})
+                    for n, _ in model.local_named_parameters()}) if partition != "stages" else []
     smp.reset()
     return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()},
             "losses": losses, "owned": owned}
@@ -330,7 +353,11 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=12, help="measured steps (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--partitions", nargs="+", default=["manual", "auto"])
+    ap.add_argument("--partitions", nargs="+", default=["manual", "auto"],
+                    choices=["manual", "auto", "stages"],
+                    help="manual: blocks[:N/2] + embedding on 0, the rest + head on 1; auto: "
+                         "smp's auto partition; stages: the same split with the model written as "
+                         "two stage modules (one remote call per microbatch)")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help="also trace one step of each smshim schedule into DIR and draw "
                          "results/timeline_{simple,interleaved}.png")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import functools
 import inspect
 import logging
 import weakref
@@ -151,15 +152,30 @@ def _split_value(value: Any, mb: int, num_mb: int, axis: int, path: str) -> Any:
         return smp_slice(num_mb, mb, axis)
     if isinstance(value, torch.Tensor):
         return _split_tensor(value, mb, num_mb, axis, path)
-    if isinstance(value, (list, tuple)):
+    kind = _container_kind(type(value))
+    if kind is _SEQUENCE:
         return _rebuild_sequence(
             value, [_split_value(v, mb, num_mb, axis, _child_path(path, i)) for i, v in enumerate(value)]
         )
-    if isinstance(value, collections.abc.Mapping):
+    if kind is _MAPPING:
         return _rebuild_mapping(
             value, {k: _split_value(v, mb, num_mb, axis, _child_path(path, k)) for k, v in value.items()}
         )
     return value
+
+
+_SEQUENCE, _MAPPING, _LEAF = "sequence", "mapping", "leaf"
+
+
+@functools.lru_cache(maxsize=1024)
+def _container_kind(cls: type) -> str:
+    # Per class, once: an isinstance check against the Mapping ABC costs more than the rest of
+    # splitting a step argument, and a step sees the same few classes every time.
+    if issubclass(cls, (list, tuple)):
+        return _SEQUENCE
+    if issubclass(cls, collections.abc.Mapping):
+        return _MAPPING
+    return _LEAF
 
 
 def _smp_slice_of(value: Any) -> Any:
@@ -255,6 +271,8 @@ def _signature(fn: Callable) -> Optional[inspect.Signature]:
 _fn_cache: "weakref.WeakKeyDictionary[Callable, Tuple[Optional[inspect.Signature], Dict[Any, Any]]]" = \
     weakref.WeakKeyDictionary()
 _MAX_PLANS_PER_FN = 64  # bounds memory for a function called with ever-new keyword names
+_NO_NAMES: frozenset = frozenset()
+_NO_AXES: Dict[str, int] = {}
 
 
 def _cached(fn: Callable) -> Tuple[Optional[inspect.Signature], Optional[Dict[Any, Any]]]:
@@ -290,11 +308,15 @@ def split_step_inputs(
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     kwargs = dict(kwargs or {})
-    names, axes = _normalise_names(non_split_inputs, input_split_axes)
+    if non_split_inputs is None and input_split_axes is None:
+        names, axes, axes_key = _NO_NAMES, _NO_AXES, ()
+    else:
+        names, axes = _normalise_names(non_split_inputs, input_split_axes)
+        axes_key = tuple(sorted(axes.items()))
     sig, plans = _cached(fn)
     # A plan depends only on the call's shape (how many positionals, which keywords), never on
     # the values, so a cached one is exactly what _plan (incl. its bind() check) would return.
-    key = (len(args), tuple(kwargs), names, tuple(sorted(axes.items())))
+    key = (len(args), tuple(kwargs), names, axes_key)
     planned = plans.get(key) if plans is not None else None
     if planned is None:
         _validate_names(fn, sig, names, "non_split_inputs")
@@ -307,9 +329,9 @@ def split_step_inputs(
     pos_plan, kw_plan = planned
     return [
         (
-            tuple(_split_one(v, path, mb, num_microbatches, whole, axis)
-                  for v, (path, whole, axis) in zip(args, pos_plan)),
-            {k: _split_one(v, path, mb, num_microbatches, whole, axis)
+            tuple([v if whole else _split_value(v, mb, num_microbatches, axis, path)
+                   for v, (path, whole, axis) in zip(args, pos_plan)]),
+            {k: v if whole else _split_value(v, mb, num_microbatches, axis, path)
              for (k, v), (path, whole, axis) in zip(kwargs.items(), kw_plan)},
         )
         for mb in range(num_microbatches)
@@ -354,10 +376,6 @@ def _plan(fn: Callable, sig: Optional[inspect.Signature], args: Tuple[Any, ...],
             pos_plan.append(plan(f"{var_pos}[{i - len(positional)}]", var_pos))
     kw_plan = [plan(k, k) if k in keywordable else plan(k, k, var_kw) for k in kwargs]
     return pos_plan, kw_plan
-
-
-def _split_one(value: Any, path: str, mb: int, num_mb: int, whole: bool, axis: int) -> Any:
-    return value if whole else _split_value(value, mb, num_mb, axis, path)
 
 
 # ------------------------------------------------------------------------------------------------
