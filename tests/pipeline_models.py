@@ -79,6 +79,20 @@ def loss_fn(kind: str, out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def make_train_step(kind: str = "net"):
+    """The @smp.step training function the pipeline tests share (call after smp.init)."""
+    import smdistributed.modelparallel.torch as smp
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x, scale=0.5) if kind == "net" else model(x)
+        loss = loss_fn(kind, out, y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def reference(kind: str, steps: int = 3, batch: int = 8):
     """Single-process training on the same global batches."""
     model = make_model(kind)

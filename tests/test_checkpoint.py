@@ -16,7 +16,7 @@ import os
 import torch
 
 from smshim.testing import run_ranks
-from tests.pipeline_models import batches, loss_fn, make_model
+from tests.pipeline_models import batches, loss_fn, make_model, make_train_step
 from tests.test_state_dicts import assert_same
 
 TOL = 1e-5
@@ -38,11 +38,7 @@ def _setup(cfg):
     model = smp.DistributedModel(make_model("net"))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("net", model(x, scale=0.5), y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step("net")
 
     def train(steps):
         dp, dp_rank = smp.dp_size(), smp.dp_rank()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from smshim.testing import run_ranks
-from tests.pipeline_models import batches, loss_fn, make_model, reference
+from tests.pipeline_models import batches, loss_fn, make_model, make_train_step, reference
 
 TOL = 1e-5
 
@@ -35,12 +35,7 @@ def _train(kind, cfg, steps=3, batch=8, manual=None, model_kwargs=None):
         for name, pid in manual.items():
             smp.set_partition(module.get_submodule(name), pid)
 
-    @smp.step
-    def train_step(model, x, y):
-        out = model(x, scale=0.5) if kind == "net" else model(x)
-        loss = loss_fn(kind, out, y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step(kind)
 
     losses = []
     for x, y in batches(kind, steps, batch):
@@ -165,11 +160,7 @@ def _uneven(steps_per_replica, batch=16):
     model = smp.DistributedModel(make_model("net"))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("net", model(x, scale=0.5), y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step("net")
 
     k = batch // 2
     with model.join():

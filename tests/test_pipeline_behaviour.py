@@ -2,16 +2,14 @@
 
 import glob
 import json
-import os
 import time
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from smshim.testing import run_ranks
-from tests.pipeline_models import Net, batches, loss_fn, make_model, reference
+from tests.pipeline_models import Net, batches, loss_fn, make_model, make_train_step
 
 
 def _setup(cfg):
@@ -22,12 +20,7 @@ def _setup(cfg):
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
 
-    @smp.step
-    def train_step(model, x, y):
-        out = model(x, scale=0.5)
-        loss = loss_fn("net", out, y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step("net")
 
     return smp, model, opt, train_step
 
@@ -112,11 +105,7 @@ def _traced(schedule):
     smp.set_partition(module.blocks[2], 1)
     smp.set_partition(module.blocks[3], 1)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("net", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step("net")
 
     for x, y in batches("net", 2, 8):
         train_step(model, x, y)
@@ -158,11 +147,7 @@ def _pp1(m):
     assert model.partitioned and model._pipeline is None
     model(batches("net", 1, 8)[0][0])  # pp=1: calling outside a step is allowed
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("net", model(x, scale=0.5), y)
-        model.backward(loss)
-        return loss
+    train_step = make_train_step("net")
 
     lrs = []
     for x, y in batches("net", 3, 8):
@@ -197,7 +182,7 @@ def _optimizer_must_hold_all_params():
 
     smp.init({"pipeline_parallel_degree": 1})
     module = Net()
-    model = smp.DistributedModel(module)
+    smp.DistributedModel(module)
     try:
         smp.DistributedOptimizer(torch.optim.SGD(module.head.parameters(), lr=0.1))
     except RuntimeError as e:

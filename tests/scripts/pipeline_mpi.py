@@ -10,18 +10,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import smdistributed.modelparallel.torch as smp  # noqa: E402  (auto-init under MPI)
-from tests.pipeline_models import batches, loss_fn, make_model  # noqa: E402
+from tests.pipeline_models import batches, make_model, make_train_step  # noqa: E402
 
 assert smp.is_initialized(), "smp should initialise on import under mpirun"
 model = smp.DistributedModel(make_model("net"))
 opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
-
-
-@smp.step
-def train_step(model, x, y):
-    loss = loss_fn("net", model(x, scale=0.5), y)
-    model.backward(loss)
-    return loss
+train_step = make_train_step("net")
 
 
 for x, y in batches("net", 3, 8):
