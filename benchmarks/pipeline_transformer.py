@@ -5,8 +5,10 @@ final LayerNorm, LM head) is trained three ways, alternating step by step inside
 processes (one thread each) so that all three see the same machine load:
 
 - smshim: `smp.DistributedModel` with pp=2, `m` microbatches, schedule `simple` or `interleaved`;
-  partitioned manually (embedding + first half of the blocks on partition 0, the rest + final LN +
-  head on partition 1) or automatically;
+  partitioned manually (`manual`: embedding + first half of the blocks on partition 0, the rest +
+  final LN + head on partition 1), automatically (`auto`), or manually with the same layers written
+  as two stage modules (`stages`: the root's forward makes one remote call per microbatch instead
+  of one per block, which shows what the module server's per-module round trips cost);
 - torch.distributed.pipelining: two `PipelineStage`s built from the same layers (same split),
   `ScheduleGPipe` for `simple`, `Schedule1F1B` for `interleaved`, loss on the last stage;
 - single process: the whole model on rank 0 (one thread) on the same global batch, while rank 1
@@ -18,7 +20,8 @@ per-step paired ratios. The three copies start from the same weights and see the
 the benchmark asserts that smshim's (and torch's) losses match the single-process ones, so the
 systems compare equal work.
 
-    python benchmarks/pipeline_transformer.py [--m 2 4 8] [--steps 12] [--trace DIR]
+    python benchmarks/pipeline_transformer.py [--m 2 4 8] [--steps 12] [--partitions manual auto stages]
+                                              [--trace DIR]
 
 With ``--trace DIR`` one extra run per smshim schedule is made with ``SMSHIM_TRACE`` set, and
 ``benchmarks/results/timeline_{simple,interleaved}.png`` are drawn from it.
@@ -271,23 +274,25 @@ def _compare(m: int, schedule: str, partition: str, warmup: int, steps: int) -> 
     systems = {"smshim": ours, "torch": theirs, "single": single}
     data = make_batches(warmup + steps)
     times: Dict[str, List[float]] = {k: [] for k in systems}
+    cpu: Dict[str, List[float]] = {k: [] for k in systems}
     losses: Dict[str, List[float]] = {k: [] for k in systems}
     for i, (tokens, targets) in enumerate(data):
         # Rotate the order each step so no system always runs right after another one.
         order = list(systems)[i % 3:] + list(systems)[:i % 3]
         for name in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn = systems[name]
             loss = fn(tokens, targets) if fn is not None else math.nan
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             losses[name].append(loss)
     # Which blocks each rank ended up owning (interesting for the auto partition).
     owned = sorted({".".join(n.split(".")[:2 if n.startswith("blocks.") else 1])
                     for n, _ in model.local_named_parameters()}) if partition != "stages" else []
     smp.reset()
     return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()},
-            "losses": losses, "owned": owned}
+            "cpu": {k: v[warmup:] for k, v in cpu.items()}, "losses": losses, "owned": owned}
 
 
 def _traced(m: int, schedule: str, partition: str) -> int:
@@ -305,6 +310,10 @@ def _summarise(results: List[Dict[str, Any]], m: int, schedule: str, partition: 
     n = len(results[0]["times"]["smshim"])
     step_t = {k: [max(r["times"][k][i] for r in results) for i in range(n)]
               for k in ("smshim", "torch", "single")}
+    # CPU time of both processes (all threads): the work each system does per step, which other
+    # processes on this shared machine cannot inflate the way they inflate wall time.
+    step_cpu = {k: [sum(r["cpu"][k][i] for r in results) for i in range(n)]
+                for k in ("smshim", "torch", "single")}
     r0, r1 = results  # rank 0 has the single-process and smshim losses, rank 1 torch's
     ours_loss, single_loss, torch_loss = r0["losses"]["smshim"], r0["losses"]["single"], r1["losses"]["torch"]
     for name, got in (("smshim", ours_loss), ("torch.distributed.pipelining", torch_loss)):
@@ -322,9 +331,13 @@ def _summarise(results: List[Dict[str, Any]], m: int, schedule: str, partition: 
         "smshim_vs_torch": statistics.median(a / b for a, b in zip(step_t["smshim"], step_t["torch"])),
         "smshim_vs_single": statistics.median(a / b for a, b in zip(step_t["smshim"], step_t["single"])),
         "torch_vs_single": statistics.median(a / b for a, b in zip(step_t["torch"], step_t["single"])),
+        "cpu_s": {k: statistics.median(v) for k, v in step_cpu.items()},
+        "cpu_smshim_vs_torch": statistics.median(
+            a / b for a, b in zip(step_cpu["smshim"], step_cpu["torch"])),
         "final_loss": {"smshim": ours_loss[-1], "torch": torch_loss[-1], "single": single_loss[-1]},
         "owned_by_rank": [r["owned"] for r in results],
         "step_times_s": step_t,
+        "step_cpu_s": step_cpu,
     }
 
 
@@ -353,7 +366,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=12, help="measured steps (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--partitions", nargs="+", default=["manual", "auto"],
+    ap.add_argument("--partitions", nargs="+", default=["manual", "auto", "stages"],
                     choices=["manual", "auto", "stages"],
                     help="manual: blocks[:N/2] + embedding on 0, the rest + head on 1; auto: "
                          "smp's auto partition; stages: the same split with the model written as "
@@ -378,12 +391,16 @@ def main() -> None:
               f"one thread per process; median of {a.steps} steps after {a.warmup} warm-up; "
               f"load avg at start {load[0]:.2f}")
     print(header)
+    print("ms: median step time (slowest rank); ratios: medians of per-step paired ratios; cpu "
+          "ours/torch: the same for the CPU time of both processes")
     print(f"{'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
-          f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12}  torch schedule")
+          f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12} "
+          f"{'cpu ours/torch':>14}  torch schedule")
     for r in rows:
         print(f"{r['m']:>3} {r['partition']:<9} {r['schedule']:<12} {1e3 * r['smshim_s']:9.1f} "
               f"{1e3 * r['torch_s']:9.1f} {1e3 * r['single_s']:9.1f} {r['smshim_vs_torch']:10.3f} "
-              f"{r['smshim_vs_single']:11.3f} {r['torch_vs_single']:12.3f}  {r['torch_name']}")
+              f"{r['smshim_vs_single']:11.3f} {r['torch_vs_single']:12.3f} "
+              f"{r['cpu_smshim_vs_torch']:14.3f}  {r['torch_name']}")
     for r in rows:
         if r["partition"] == "auto" and r["schedule"] == "simple":
             print(f"auto partition (m={r['m']}): rank 0 owns {r['owned_by_rank'][0]}, "
