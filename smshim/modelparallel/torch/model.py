@@ -207,7 +207,8 @@ class DistributedModel(nn.Module):
 
     # ---- the step (called by smp.step) -------------------------------------------------------
     def _run_step(self, fn: Callable, mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
-        self._num_mb = len(mb_inputs)
+        # Plain attributes set every step: skip nn.Module.__setattr__'s parameter/module checks.
+        self.__dict__["_num_mb"] = len(mb_inputs)
         if not self.partitioned:
             self._partition(fn, mb_inputs)
         try:
@@ -231,7 +232,7 @@ class DistributedModel(nn.Module):
                 results.append(fn(*args, **kwargs))
             finally:
                 ctx.in_step = False
-        self._local_step = step + 1
+        self.__dict__["_local_step"] = step + 1
         return results
 
     def _after_step(self) -> None:

@@ -80,6 +80,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
+    # The wrapped optimizer's step already runs torch's profiling record and step hooks: keep
+    # torch from wrapping this one too (hooks would fire twice), and register hooks there.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def register_step_pre_hook(self, hook: Callable):
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable):
+        return self.optimizer.register_step_post_hook(hook)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
