@@ -44,6 +44,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+from gpt_pipeline import CausalSelfAttention  # noqa: E402  (the main job's attention)
 from smshim.testing import run_ranks  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -69,25 +71,11 @@ class Embed(nn.Module):
         return self.tok(tokens) + self.pos(pos)
 
 
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
+        self.attn = CausalSelfAttention(d, heads)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
