@@ -65,7 +65,7 @@ class DistributedModel(nn.Module):
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
-        self.trace_memory_usage = trace_memory_usage
+        self.trace_memory_usage = trace_memory_usage  # activation sizes are always traced
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.backward_passes_per_step = backward_passes_per_step
         self.overlapping_allreduce = overlapping_allreduce
@@ -100,7 +100,7 @@ class DistributedModel(nn.Module):
             module.to(self._device)
             self._setup_data_parallel()
         state.model = self
-        state.register_reset_callback(self._on_reset)
+        self._reset_handle = state.register_reset_callback(self._on_reset)
 
     # ---- properties and accessors -------------------------------------------------------------
     @property
@@ -330,8 +330,9 @@ class DistributedModel(nn.Module):
         group = state.process_group(CommGroup.DP_GROUP)
         src = topo.group(CommGroup.DP_GROUP)[0]
         named = list(self.local_named_parameters())
+        buffers = list(self.local_named_buffers()) if self.broadcast_buffers else []
         with torch.no_grad():
-            for _, t in named + list(self.local_named_buffers()):
+            for _, t in named + buffers:
                 dist.broadcast(t.data, src, group=group)
         self._reducer = GradReducer([p for _, p in named], group, names=[n for n, _ in named],
                                     **self._ddp_options)
@@ -448,6 +449,7 @@ class DistributedModel(nn.Module):
 
 
     def _on_reset(self) -> None:
+        self._reset_handle.remove()
         if self._pipeline is not None:
             self._pipeline.close()
             self._pipeline = None
