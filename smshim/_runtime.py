@@ -13,6 +13,7 @@ and shares the port over MPI (mpi4py), so there is no race on a "free" port.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -180,8 +181,20 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
             )
         dist.init_process_group(backend, store=store, rank=info.rank,
                                 world_size=info.world_size, timeout=tmo)
+    # Tear the groups down before interpreter shutdown: left to static destruction, gloo's
+    # threads can be destroyed while joinable and abort the process ("terminate called without
+    # an active exception") after the script has finished.
+    atexit.register(_destroy_at_exit)
     logger.info("rank %d/%d up (%s, %s backend)", info.rank, info.world_size, info.launcher, backend)
     return info
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (exiting anyway; a peer may be gone)
+            logger.debug("destroy_process_group at exit failed", exc_info=True)
 
 
 def free_port() -> int:
