@@ -50,16 +50,10 @@ def _reference(world: int):
     return model, grads
 
 
-def _train_ddp(bucket_cap_mb):
-    """Each rank starts from a different init (rank 0's must win) and trains on its shard."""
-    from smshim.dataparallel.torch import distributed as dist
-    from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
-
-    dist.init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    net = _model(seed=rank)  # differing parameters and buffer: rank 0's are broadcast
-    model = DDP(net, bucket_cap_mb=bucket_cap_mb)
-    assert model.module is net
+def train_and_compare(model, net, rank: int, world: int) -> float:
+    """4 Adam steps (the last with a no_sync accumulation microbatch) on this rank's shard;
+    returns the max abs difference of parameters and of every step's gradients from
+    single-process training on all ranks' data."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     grads = []
@@ -79,6 +73,20 @@ def _train_ddp(bucket_cap_mb):
     diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
     for mine, theirs in zip(grads, ref_grads):
         diff = max([diff] + [(a - b).abs().max().item() for a, b in zip(mine, theirs)])
+    return diff
+
+
+def _train_ddp(bucket_cap_mb):
+    """Each rank starts from a different init (rank 0's must win) and trains on its shard."""
+    from smshim.dataparallel.torch import distributed as dist
+    from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = _model(seed=rank)  # differing parameters and buffer: rank 0's are broadcast
+    model = DDP(net, bucket_cap_mb=bucket_cap_mb)
+    assert model.module is net
+    diff = train_and_compare(model, net, rank, world)
     keys = list(model.state_dict().keys())
     torch_keys = list(torch.nn.parallel.DistributedDataParallel(_model(0)).state_dict().keys())
     return diff, float(net.shift[0]), keys == torch_keys, len(model.reducer.buckets), keys

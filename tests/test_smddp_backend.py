@@ -10,7 +10,7 @@ import sys
 import torch
 
 from smshim.testing import run_command, run_ranks
-from tests.test_dp_ddp import LOCAL_BATCH, _batch, _model, _reference
+from tests.test_dp_ddp import _model, train_and_compare
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "dp_scripts")
 
@@ -25,25 +25,7 @@ def _torch_ddp_on_smddp():
     rank, world = tdist.get_rank(), tdist.get_world_size()
     net = _model(seed=0)
     model = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-    grads = []
-    for step in range(4):
-        opt.zero_grad()
-        if step == 3:
-            x, y = _batch(step, 0, world)
-            with model.no_sync():
-                torch.nn.functional.mse_loss(model(x[sl]) + net.shift, y[sl]).backward()
-            x, y = _batch(step, 1, world)
-        else:
-            x, y = _batch(step, 0, world)
-        torch.nn.functional.mse_loss(model(x[sl]) + net.shift, y[sl]).backward()
-        grads.append([p.grad.clone() for p in net.parameters()])
-        opt.step()
-    ref, ref_grads = _reference(world)
-    diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
-    for mine, theirs in zip(grads, ref_grads):
-        diff = max([diff] + [(a - b).abs().max().item() for a, b in zip(mine, theirs)])
+    diff = train_and_compare(model, net, rank, world)
     # The smddp function API runs on the same default group.
     t = torch.tensor([float(rank)])
     smddp.all_reduce(t, op=smddp.ReduceOp.AVERAGE)
