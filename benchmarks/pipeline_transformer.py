@@ -45,7 +45,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from gpt_pipeline import CausalSelfAttention  # noqa: E402  (the main job's attention)
+from gpt_pipeline import Block  # noqa: E402  (the main job's transformer block)
 from smshim.testing import run_ranks  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -69,20 +69,6 @@ class Embed(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         return self.tok(tokens) + self.pos(pos)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class Head(nn.Module):
