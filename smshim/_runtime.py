@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -181,20 +181,42 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
             )
         dist.init_process_group(backend, store=store, rank=info.rank,
                                 world_size=info.world_size, timeout=tmo)
-    # Tear the groups down before interpreter shutdown: left to static destruction, gloo's
-    # threads can be destroyed while joinable and abort the process ("terminate called without
-    # an active exception") after the script has finished.
-    atexit.register(_destroy_at_exit)
     logger.info("rank %d/%d up (%s, %s backend)", info.rank, info.world_size, info.launcher, backend)
     return info
 
 
-def _destroy_at_exit() -> None:
-    if dist.is_initialized():
+# Teardown at exit ---------------------------------------------------------------------------------
+# Every process group torch.distributed knows (the default group whoever created it, smddp's, smp's,
+# the pipeline transport's) is destroyed by an atexit handler registered when this module is first
+# imported, i.e. before the script's own handlers, so it runs after them. Left to static
+# destruction at exit, gloo's threads can be destroyed while joinable and abort the process
+# ("terminate called without an active exception") after the script has finished.
+_teardown_hooks: List[Callable[[], None]] = []
+
+
+def before_teardown(hook: Callable[[], None]) -> None:
+    """Run `hook` at interpreter exit before the process groups are destroyed (last added, first
+    run); e.g. smp stops the pipeline transport's receivers so none is inside a gloo call."""
+    _teardown_hooks.append(hook)
+
+
+def teardown() -> None:
+    """Run the before-teardown hooks, then destroy every process group (newest first, as torch's
+    destroy_process_group does). Safe to call more than once; never raises."""
+    while _teardown_hooks:
+        hook = _teardown_hooks.pop()
+        try:
+            hook()
+        except Exception:  # noqa: BLE001  (exiting anyway; the groups must still go)
+            logger.debug("teardown hook %r failed", hook, exc_info=True)
+    if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001  (exiting anyway; a peer may be gone)
             logger.debug("destroy_process_group at exit failed", exc_info=True)
+
+
+atexit.register(teardown)
 
 
 def free_port() -> int:

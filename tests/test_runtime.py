@@ -88,3 +88,26 @@ def test_torchrun_launch():
 def test_mpirun_without_master_addr():
     r = run_command(["mpirun", "-n", "2", sys.executable, ALLREDUCE], timeout=120, env=NO_LAUNCHER)
     assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
+
+
+def _smddp_groups_then_teardown():
+    import torch
+    import torch.distributed as dist
+
+    import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  (registers "smddp")
+
+    # The script, not smshim, creates the groups: the teardown registered at import still owns them.
+    dist.init_process_group(backend="smddp")
+    sub = dist.new_group([0, 1])
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2), process_group=sub)
+    model(torch.ones(1, 3)).sum().backward()
+    order = []
+    _runtime.before_teardown(lambda: order.append(dist.is_initialized()))
+    _runtime.teardown()
+    return order, dist.is_initialized()
+
+
+def test_teardown_destroys_groups_the_script_created():
+    for order, initialized in run_ranks(_smddp_groups_then_teardown, 2, timeout=60):
+        assert order == [True]  # hooks run while the groups still exist
+        assert not initialized

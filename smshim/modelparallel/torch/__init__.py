@@ -179,6 +179,8 @@ def init(config: Optional[Mapping[str, Any]] = None) -> None:
                         cfg.tensor_parallel_degree, cfg.placement_strategy)
         groups, object_group, store = _create_groups(topo)
         state._set_initialized(cfg, topo, info, groups, object_group, store)
+        # At exit, stop the pipeline (its transport's receivers) before the groups are destroyed.
+        _runtime.before_teardown(state.reset)
         # Runs at interpreter exit and at the end of a multiprocessing child alike.
         multiprocessing.util.Finalize(None, drain_at_exit, exitpriority=10)
         _init_config = dict(config) if config is not None else None
