@@ -119,7 +119,8 @@ def _job_a(d):
 
 def _job_b(d):
     smp, model, opt, train = _setup({"pipeline_parallel_degree": 2, "microbatches": 1})
-    user_content = smp.resume_from_checkpoint(d)  # tag None: `newest`
+    # tag None: `newest`. Its user_content holds a Progress object: full unpickling, opted in.
+    user_content = smp.resume_from_checkpoint(d, weights_only=False)
     train(DATA[2:])
     s4, o4 = _full_state(model, opt)
     return {"user_content": user_content, "s4": s4, "o4": o4}
@@ -246,7 +247,61 @@ def _job_pp1(d):
 
 
 def test_pp1_partial_and_full_checkpoints(tmp_path):
-    s4, o4, out = run_ranks(_job_pp1, 1, str(tmp_path), timeout=120)[0]
+    s4, o4, out = run_ranks(_job_pp1, 1, str(tmp_path), timeout=120,
+                            env={"SMSHIM_ALLOW_PICKLE": "1"})[0]  # Progress needs full unpickling
     assert out["p"] == Progress(2, "p") and out["f.pt"] is None
     for tag in ("p", "f.pt"):
         assert_same(out[tag, "state"], (s4, o4), where=f"pp=1 resume from {tag}")
+
+
+class _RunsCode:
+    """Unpickling this calls os.makedirs(marker): what a crafted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def _job_crafted(d):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 1})
+    model = smp.DistributedModel(make_model("net"))
+    smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    marker = os.path.join(d, "code_ran")
+    smp.save({"weights": torch.ones(2), "payload": _RunsCode(marker)}, os.path.join(d, "f.pt"),
+             partial=False)
+    smp.save_checkpoint(d, "t", model=model, optimizer=None, user_content=_RunsCode(marker))
+    out = {}
+    for what, load in (("load", lambda **kw: smp.load(os.path.join(d, "f.pt"), partial=False, **kw)),
+                       ("resume", lambda **kw: smp.resume_from_checkpoint(d, load_optimizer=False,
+                                                                          **kw))):
+        try:
+            load()
+            out[what] = None
+        except smp.UnsafeCheckpointError as e:
+            out[what] = str(e)
+        out[what, "ran_before_opt_in"] = os.path.exists(marker)
+        os.environ["SMSHIM_ALLOW_PICKLE"] = "0"  # the argument wins over the environment
+        loaded = load(weights_only=False)
+        out[what, "ran_after_opt_in"] = os.path.exists(marker)
+        out[what, "weights"] = loaded["weights"].tolist() if what == "load" else None
+        os.rmdir(marker)
+    os.environ["SMSHIM_ALLOW_PICKLE"] = "1"
+    smp.load(os.path.join(d, "f.pt"), partial=False)  # the environment switch alone
+    out["env_opt_in"] = os.path.exists(marker)
+    return out
+
+
+def test_crafted_checkpoint_is_refused_unless_opted_in(tmp_path):
+    out = run_ranks(_job_crafted, 1, str(tmp_path), timeout=90)[0]
+    for what, name in (("load", "f.pt"), ("resume", "user_content.pt")):
+        msg = out[what]
+        assert msg is not None, f"{what}: a file that runs code was loaded without opt-in"
+        assert name in msg and "weights_only=False" in msg and "SMSHIM_ALLOW_PICKLE=1" in msg, msg
+        assert not out[what, "ran_before_opt_in"], f"{what}: code ran although refused"
+        assert out[what, "ran_after_opt_in"]
+    assert out["load", "weights"] == [1.0, 1.0]
+    assert out["env_opt_in"]

@@ -59,6 +59,7 @@ from smshim.modelparallel.torch.errors import (
     SMPUnsupportedError,
     SMPValidationError,
     TensorSplitError,
+    UnsafeCheckpointError,
 )
 from smshim.modelparallel.torch.state import require_init, state
 from smshim.modelparallel.torch.topology import Topology

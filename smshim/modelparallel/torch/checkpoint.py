@@ -22,8 +22,14 @@ then does rank 0 replace `newest`; so a crash at any point leaves `newest` namin
 checkpoint. A failure on any rank is reported on every rank instead of leaving the others waiting.
 
 Partial checkpoints load only at the pp degree (and partition) they were saved with; full ones at
-any degree, and into a plain module. Model and optimizer files are read with
-`torch.load(weights_only=True)`; only user content (arbitrary objects) needs full unpickling.
+any degree, and into a plain module.
+
+Loading never runs code from a file unless asked to: everything is read with
+`torch.load(weights_only=True)` (tensors, containers, numbers, strings). User content (what
+`smp.save` / `user_content` were given) may be any picklable object, and full unpickling can
+execute arbitrary code from the file, so it is used only on explicit opt-in: `weights_only=False`
+to `smp.load` / `smp.resume_from_checkpoint`, or SMSHIM_ALLOW_PICKLE=1 for the whole process.
+Without it such a file raises `UnsafeCheckpointError` naming the file and both switches.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import IO, Any, Callable, Optional, Tuple, Union
 import torch
 
 from .comm import CommGroup, allgather
-from .errors import SMPRuntimeError, SMPValidationError
+from .errors import SMPRuntimeError, SMPValidationError, UnsafeCheckpointError
 from .state import require_init, state
 
 logger = logging.getLogger(__name__)
@@ -96,14 +102,43 @@ def _load_weights(path: str, map_location: Any = None) -> Any:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def _load_user_object(path: str, map_location: Any = None) -> Any:
-    """An object the user handed to smp.save / save_checkpoint: it may be anything picklable
-    (SageMaker's smp.save accepts any object), so a file weights_only cannot read is unpickled
-    in full. These are the job's own checkpoint files, not downloaded content."""
+ALLOW_PICKLE_ENV = "SMSHIM_ALLOW_PICKLE"
+
+
+def _pickle_allowed(weights_only: Optional[bool]) -> bool:
+    """The caller's weights_only decides; None defers to SMSHIM_ALLOW_PICKLE (default: no)."""
+    if weights_only is not None:
+        return not weights_only
+    raw = os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise SMPValidationError(f"{ALLOW_PICKLE_ENV}={raw!r}: use 1 (allow) or 0 (default)")
+
+
+def _refused_global(e: Exception) -> str:
+    """The line of torch's weights_only message that names what the file wanted to import."""
+    for line in str(e).splitlines():
+        if "Unsupported global" in line:
+            return f" ({line.strip().rstrip('.')})"
+    return ""
+
+
+def _load_user_object(path: str, map_location: Any = None,
+                      weights_only: Optional[bool] = None) -> Any:
+    """An object the user handed to smp.save / save_checkpoint. weights_only first; a file that
+    needs full unpickling (which can execute code) is loaded only on explicit opt-in."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        logger.debug("%s holds non-tensor objects; loading it with weights_only=False", path)
+    except pickle.UnpicklingError as e:
+        if not _pickle_allowed(weights_only):
+            raise UnsafeCheckpointError(
+                f"{path} holds objects that only full unpickling can load, and unpickling can "
+                f"execute code from the file, so it was not done. If you trust this file, pass "
+                f"weights_only=False (smp.load / smp.resume_from_checkpoint) or set "
+                f"{ALLOW_PICKLE_ENV}=1.{_refused_global(e)}") from None
+        logger.warning("%s: loading with full unpickling (weights_only=False), as opted in", path)
         return torch.load(path, map_location=map_location, weights_only=False)
 
 
@@ -173,13 +208,13 @@ def _missing_partial(name: str, pattern_base: str, what: str) -> FileNotFoundErr
 
 
 def load(f: PathLike, map_location: Any = None, partial: bool = True,
-         back_compat: bool = False) -> Any:
+         back_compat: bool = False, weights_only: Optional[bool] = None) -> Any:
     """Load what `smp.save` wrote: this rank's `f"{f}_{pp_rank}_{tp_rank}"` (partial) or `f`.
     `back_compat` (passed by Hugging Face for pre-1.10 smp files) changes nothing: smshim has
-    one file format."""
+    one file format. `weights_only=False` allows full unpickling (see the module docstring)."""
     require_init("smp.load")
     if not partial:
-        return _load_user_object(os.fspath(f), map_location)
+        return _load_user_object(os.fspath(f), map_location, weights_only)
     name = _partial_name(f)
     if not os.path.exists(name):
         v3 = _partial_name(f, v3=True)
@@ -187,7 +222,7 @@ def load(f: PathLike, map_location: Any = None, partial: bool = True,
             name = v3
         else:
             raise _missing_partial(name, os.fspath(f), "smp.load")
-    return _load_user_object(name, map_location)
+    return _load_user_object(name, map_location, weights_only)
 
 
 # Checkpoints ----------------------------------------------------------------------------------
@@ -309,14 +344,14 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
     logger.info("%s: %s checkpoint written", what, "partial" if partial else "full")
 
 
-def _read_user_content(path: str, tag: str, partial: bool) -> Any:
+def _read_user_content(path: str, tag: str, partial: bool, weights_only: Optional[bool]) -> Any:
     own = (os.path.join(path, f"{tag}_partial", USER_CONTENT) if partial
            else os.path.join(path, f"{tag}_{USER_CONTENT}"))
     for candidate in (own, os.path.join(path, USER_CONTENT)):
         if os.path.exists(candidate):
             if os.path.getsize(candidate) == 0:
                 return None  # Hugging Face's marker file: no content
-            return _load_user_object(candidate, map_location="cpu")
+            return _load_user_object(candidate, "cpu", weights_only)
     return None
 
 
@@ -336,11 +371,13 @@ def _read_newest(path: str) -> str:
 def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: bool = True,
                            strict: bool = True, load_optimizer: bool = True,
                            load_sharded_optimizer_state: bool = True,
-                           translate_function: Optional[Callable[[Any], Any]] = None) -> Any:
+                           translate_function: Optional[Callable[[Any], Any]] = None,
+                           weights_only: Optional[bool] = None) -> Any:
     """Load a checkpoint written by `save_checkpoint` into `smp.state.model`/`.optimizer` (applied
     after partitioning if the model is not partitioned yet) and return its user_content. Call it
     on every rank (the ranks check in with each other so that a failure raises everywhere).
-    `load_sharded_optimizer_state` has no effect: smshim does not shard optimizer state."""
+    `load_sharded_optimizer_state` has no effect: smshim does not shard optimizer state.
+    `weights_only=False` allows full unpickling of user_content (see the module docstring)."""
     require_init("smp.resume_from_checkpoint")
     path = os.fspath(path)
     model, optimizer = state.model, state.optimizer
@@ -389,12 +426,12 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
                 else:
                     logger.warning("%s: no optimizer state at %s; only the model is loaded",
                                    what, opt_file)
-        user_content = _read_user_content(path, name, partial)
         # Both validate now (degree, keys before partitioning where possible) and apply now or
         # right after partitioning.
         model.load_state_dict(msd, strict=strict)
         if osd is not None:
             optimizer.load_state_dict(osd)
-        return user_content
+        # Last: a degree or key mismatch is the error to report first.
+        return _read_user_content(path, name, partial, weights_only)
 
     return _run_checked(what, run)

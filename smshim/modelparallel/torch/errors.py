@@ -7,10 +7,13 @@ Adv features smshim rejects), so both `except smp.SMPError` and `except ValueErr
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "SMPError", "SMPValidationError", "SMPConfigError", "SMPUnsupportedError", "SMPRuntimeError",
     "SMPNotInitializedError", "FwdExecutionNotInStepFnError", "BwdExecutionNotInStepFnError",
     "MultipleDistributedModelError", "InvalidPartitionIDError", "TensorSplitError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -59,3 +62,8 @@ class InvalidPartitionIDError(SMPValidationError):
 
 class TensorSplitError(SMPError, ValueError):
     """A step input cannot be split evenly into microbatches."""
+
+
+class UnsafeCheckpointError(SMPRuntimeError, pickle.UnpicklingError):
+    """A checkpoint file holds objects that only full unpickling (which can run code) would
+    load, and the caller did not opt in to it."""
