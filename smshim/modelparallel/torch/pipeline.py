@@ -1,15 +1,18 @@
 """One pipeline step over microbatches, for a partitioned model with pp > 1.
 
-pp_rank 0 drives: it runs the step body once per microbatch, each in its own worker thread, and
-asks the schedule when the next microbatch's forward may start and when a finished forward may
-run its backward. The other ranks serve requests (server.py) until pp_rank 0 sends STEP_END with
-the step's outputs; then every rank closes the step with its peers (transport.py).
+pp_rank 0 drives: it runs the step body once per microbatch, each in its own worker thread,
+admitting microbatches by the schedule's limit for rank 0 and asking it when a finished forward
+may run its backward. The body's calls into other ranks' modules are sent without waiting
+(server.py), so a worker runs its microbatch's forward code ahead of the stages that compute it.
+When a microbatch's forward code is over, pp_rank 0 tells every rank (FWD_DONE: they admit new
+microbatches by it), and when its body has returned, that the microbatch is finished (MB_DONE:
+they drop the values they kept for it). The other ranks serve requests until pp_rank 0 sends
+STEP_END with the step's outputs; then every rank closes the step with its peers (transport.py).
 
 Thread roles on pp_rank 0: the caller's thread admits microbatches and waits; one worker per
 microbatch in flight runs the body and the root module's forward, which is glue code and holds no
-lock (so replies are relayed at once); the root's children run as regions under the compute lock
-(server.py), like requests; transport threads move messages; server threads answer peers' calls
-into rank 0's modules.
+lock; the root's children run as regions under the compute lock (server.py), like requests;
+transport threads move messages; server threads answer peers' calls into rank 0's modules.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .scheduler import ComputeLock, Schedule, make_schedule
-from .server import ModuleServer, ctx, fill, flatten
+from .server import ModuleServer, ctx
+from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import STEP_END, Message, PipelineError, Transport
 
@@ -48,8 +52,11 @@ class Pipeline:
         self.timeline = timeline
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
-        self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s)
-        self.transport = Transport(ranks, pp_rank, group, self.server.dispatch, timeout_s, device)
+        self.stages = len(ranks)
+        self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
+                                   device, deterministic)
+        self.transport = Transport(ranks, pp_rank, group, self.server.dispatch, timeout_s, device,
+                                   timeline)
         self.server.transport = self.transport
         self.transport.on_error(self.server.wake_all)
         self.transport.on_error(lambda exc: self._wake())
@@ -81,11 +88,11 @@ class Pipeline:
         from .state import state
 
         m = len(mb_inputs)
-        schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m))
-        self._schedule = self.server.schedule = schedule
+        schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m), self.stages)
+        self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
-        self.server.begin_step(m)
+        self.server.begin_step(m, schedule)
         self.transport.open_session()
         results: List[Any] = [None] * m
         errors: List[Tuple[int, BaseException]] = []
@@ -97,7 +104,10 @@ class Pipeline:
             state.microbatch = mb
             try:
                 args, kwargs = mb_inputs[mb]
-                results[mb] = fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                self._mark_forward_done(mb)
+                results[mb] = self.server.materialize(out)  # every rank gets the values
+                self.server.finish_microbatch(mb)
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(
@@ -105,8 +115,6 @@ class Pipeline:
             finally:
                 ctx.in_step = False
                 with self._cond:
-                    if not ctx.forward_done:
-                        self._forwards_done += 1
                     counts["finished"] += 1
                     self._backward_finished.add(mb)
                     self._cond.notify_all()
@@ -143,11 +151,8 @@ class Pipeline:
         schedule = self._schedule
         mb = ctx.microbatch
         deadline = time.monotonic() + self.timeout_s
+        self._mark_forward_done(mb)
         with self._cond:
-            if not ctx.forward_done:
-                ctx.forward_done = True
-                self._forwards_done += 1
-                self._cond.notify_all()
             while not schedule.may_start_backward(self._forwards_done) or (
                     self.deterministic and not self._backward_finished.issuperset(range(mb))):
                 self.transport.check()
@@ -164,11 +169,21 @@ class Pipeline:
             self._backward_finished.add(mb)
             self._cond.notify_all()
 
+    def _mark_forward_done(self, mb: int) -> None:
+        """The microbatch's forward code is over (it called model.backward, or returned)."""
+        if ctx.forward_done:
+            return
+        ctx.forward_done = True
+        self.server.forward_done(mb)
+        with self._cond:
+            self._forwards_done += 1
+            self._cond.notify_all()
+
     # ---- other pp ranks -----------------------------------------------------------------------
     def serve(self, microbatches: int) -> List[Any]:
         step = self.step
-        self.server.schedule = make_schedule(self.pipeline, 1, 1)  # priorities only
-        self.server.begin_step(microbatches)
+        self.server.begin_step(microbatches, make_schedule(
+            self.pipeline, microbatches, min(self.active_microbatches, microbatches), self.stages))
         self.transport.open_session()
         msg = None
         try:

@@ -1,9 +1,14 @@
 """Pipeline schedules and the per-rank compute lock that enforces them.
 
-A schedule is a small policy object answering two questions for pp_rank 0, which drives the
-pipeline: may the next microbatch's forward start now, and may microbatch i's backward start
-now? It also gives the priority in which a rank runs the work that is ready. Adding a schedule is
-adding a policy class to `SCHEDULES`.
+A schedule is a small policy object answering three questions: how many microbatches may a rank
+hold activations for at once (`limit(rank)`: pp_rank 0 admits microbatches by it, every other
+rank holds back the first forward of a new microbatch by it), may a microbatch whose forward is
+done start its backward, and in which order does a rank run the work that is ready. Adding a
+schedule is adding a policy class to `SCHEDULES`.
+
+The order of module calls is not known in advance (pp_rank 0 runs arbitrary forward code and
+discovers the calls as it goes), so the schedule cannot be a precomputed list of actions per rank
+as in torch.distributed.pipelining; these three answers are what such a list would encode.
 
 Every rank runs one module forward or backward at a time ("one request at a time", as a device
 runs one stream). `ComputeLock` is that rule: a lock granted by priority, (backward before forward,
@@ -27,13 +32,18 @@ class Schedule:
 
     name = "base"
 
-    def __init__(self, microbatches: int, active_microbatches: int) -> None:
+    def __init__(self, microbatches: int, active_microbatches: int, stages: int = 1) -> None:
         self.microbatches = microbatches
         self.active_microbatches = active_microbatches
+        self.stages = stages
+
+    def limit(self, rank: int) -> int:
+        """How many microbatches pp rank `rank` may hold activations for at once."""
+        raise NotImplementedError
 
     def may_start_forward(self, started: int, finished: int) -> bool:
-        """May microbatch number `started` begin? (`finished` have completed their backward.)"""
-        raise NotImplementedError
+        """May microbatch number `started` begin on pp_rank 0? (`finished` have completed.)"""
+        return started < self.microbatches and started - finished < self.limit(0)
 
     def may_start_backward(self, forwards_done: int) -> bool:
         """May a microbatch whose forward is done begin its backward?"""
@@ -49,8 +59,8 @@ class SimpleSchedule(Schedule):
 
     name = "simple"
 
-    def may_start_forward(self, started: int, finished: int) -> bool:
-        return started < self.microbatches
+    def limit(self, rank: int) -> int:
+        return self.microbatches
 
     def may_start_backward(self, forwards_done: int) -> bool:
         return forwards_done == self.microbatches
@@ -60,13 +70,15 @@ class SimpleSchedule(Schedule):
 
 
 class InterleavedSchedule(Schedule):
-    """1F1B-like: a ready backward first (lowest microbatch), else the next forward while fewer
-    than `active_microbatches` are in flight (bounded activation memory)."""
+    """1F1B: a ready backward first (lowest microbatch), else the next forward while the rank
+    holds fewer than min(stages - rank, active_microbatches) microbatches: stage r needs no more
+    in flight than the p - r microbatches it takes a forward to reach the last stage and its
+    backward to come back (1F1B's bound), so memory is bounded at no cost in step time."""
 
     name = "interleaved"
 
-    def may_start_forward(self, started: int, finished: int) -> bool:
-        return started < self.microbatches and started - finished < self.active_microbatches
+    def limit(self, rank: int) -> int:
+        return max(1, min(self.stages - rank, self.active_microbatches, self.microbatches))
 
     def may_start_backward(self, forwards_done: int) -> bool:
         return True
@@ -78,12 +90,13 @@ class InterleavedSchedule(Schedule):
 SCHEDULES: Dict[str, type] = {"simple": SimpleSchedule, "interleaved": InterleavedSchedule}
 
 
-def make_schedule(name: str, microbatches: int, active_microbatches: int) -> Schedule:
+def make_schedule(name: str, microbatches: int, active_microbatches: int,
+                  stages: int = 1) -> Schedule:
     try:
         cls = SCHEDULES[name]
     except KeyError:
         raise ValueError(f"pipeline={name!r} is not a schedule; choose one of {sorted(SCHEDULES)}") from None
-    return cls(microbatches, active_microbatches)
+    return cls(microbatches, active_microbatches, stages)
 
 
 class ComputeLock:

@@ -1,30 +1,49 @@
 """The module server: calls to modules owned by another pipeline rank become requests to it.
 
 After partitioning, every module this rank does not own gets an instance-level `forward` that
-forwards the call to the owner (`nn.Module.__call__` looks `forward` up on the instance). The
-caller flattens the arguments (tensors travel as tensors, everything else is pickled in the
-header), sends a FWD_REQ and waits for the outputs. The owner runs the real module on the received
-inputs, marked `requires_grad` where the caller's were, keeps inputs and outputs until the
-backward, and answers.
+forwards the call to the owner (`nn.Module.__call__` looks `forward` up on the instance). The owner
+runs the real module on the received inputs, marked `requires_grad` where the caller's were, and
+keeps inputs and outputs until the backward.
 
-Autograd spans ranks through `_RemoteCall`, an autograd.Function standing for the remote call:
-its backward sends the output gradients (BWD_REQ); the owner runs `torch.autograd.backward` on the
-graph it kept and answers with the inputs' gradients. Parameter gradients therefore accumulate
-where the parameters live. A zero-size "anchor" input that requires grad makes the call part of
-the graph even when none of its real inputs do (the first stage's inputs are data), so the
-owner's parameters still get their backward.
+**Results stay where they were computed.** On pp_rank 0, which runs the step body and the root
+module's forward, a remote call does not wait: it sends the request and returns `RemoteTensor`
+handles (remote_tensor.py) shaped like the outputs the module gave for the same input shapes
+before (the owner checks that the prediction holds; the first call with new shapes waits for the
+output metadata). Passing a handle to another module of its owner costs nothing; passing it to a
+module on rank k makes the owner send it straight to k (SEND_TO); reading it in the glue code
+fetches it (FETCH). So a chain of stages sends each activation once, from stage to stage, while
+rank 0's code runs ahead like a host queueing kernels on a device stream.
+
+**Autograd spans ranks** through `_RemoteCall`, an autograd.Function standing for the call in the
+caller's graph. Its backward sends the output gradients (real, or handles to gradients held by
+other ranks) in a BWD_REQ and returns handles to the input gradients the owner will compute, so
+rank 0's autograd engine walks the whole pipeline's graph without waiting, while the gradients
+travel owner to owner; rank 0 waits only where its own modules need a gradient, which the owner
+then pushes unasked. Parameter gradients accumulate where the parameters live. A zero-size
+"anchor" input that requires grad makes the call part of the graph even when none of its real
+inputs do (the first stage's inputs are data), so the owner's parameters still get their backward.
+
+Calls made from inside a module on another rank (nested calls) wait for real values, as a plain
+synchronous request: handles only live on pp_rank 0, which knows when a microbatch is over
+(MB_DONE) and so when every rank may drop the values it kept for it.
 
 Each rank runs one module forward or backward at a time (the ComputeLock, by schedule priority);
-a thread gives the lock up while it waits on the network, so nested calls (rank 1 calling back into
-rank 0 during rank 0's request) and several microbatches in flight never deadlock.
+a request first waits (without the lock) for its inputs, and a thread gives the lock up while it
+waits on the network, so nested calls and several microbatches in flight never deadlock. Under
+`interleaved`, a rank other than 0 starts the forward of a new microbatch only while it holds
+fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
+import pickle
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,12 +51,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .remote_tensor import RemoteTensor, _Cell
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
+from .structure import fill, flatten
 from .timeline import Timeline
-from .transport import (BWD_REQ, BWD_RESP, FWD_REQ, FWD_RESP, STEP_END, Message, PipelineError,
-                        Transport)
+from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, SEND_TO, STEP_END,
+                        VALUE, Message, PipelineError, Transport)
+from .value_store import ValueStore
 
 logger = logging.getLogger(__name__)
+
+# SMSHIM_PREDICT=0: every remote call waits for its outputs' metadata (no prediction from earlier
+# calls); for modules whose output structure or shapes depend on input values, not input shapes.
+PREDICT_ENV = "SMSHIM_PREDICT"
 
 
 # ---- the per-thread execution context ------------------------------------------------------
@@ -53,76 +79,39 @@ class _Context(threading.local):
 ctx = _Context()
 
 
-# ---- flattening arguments and outputs ------------------------------------------------------
-
-class _Slot:
-    """Stands for the i-th tensor in a flattened structure."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self):
-        return (_Slot, (self.index,))
-
-
-def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild nested list/tuple/namedtuple/dict (subclasses too) with `fn` applied to leaves."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_leaves(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_leaves(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        # A dict subclass (e.g. Hugging Face's ModelOutput) is rebuilt without calling its
-        # __init__, whose signature is its own.
-        out = {} if type(obj) is dict else type(obj).__new__(type(obj))
-        if type(obj) is not dict:
-            dict.__init__(out)
-        for k, v in obj.items():
-            out[k] = _map_leaves(v, fn)
-        return out
-    return fn(obj)
-
-
-def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
-    """Replace every tensor in nested containers by a slot; return (template, tensors)."""
-    tensors: List[torch.Tensor] = []
-
-    def to_slot(leaf):
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            return _Slot(len(tensors) - 1)
-        return leaf
-
-    return _map_leaves(obj, to_slot), tensors
-
-
-def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
-    """Inverse of `flatten`."""
-    return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
-
-
 # ---- caller side ---------------------------------------------------------------------------
 
 @dataclass
 class _Call:
-    call_id: int
     owner: int
     module: str
     step: int
     microbatch: int
-    n_inputs: int
-    input_requires_grad: List[bool]
-    template: Any = None
+    template: Any
+    in_meta: List[Tuple[torch.Size, torch.dtype]]
+    requires: List[bool]         # input i needs a gradient
+    remote_in: List[bool]        # input i is a handle (its gradient may stay remote)
+    leaf_in: List[bool]          # input i is a leaf (its gradient must be real)
+    call_id: int = -1
     out_template: Any = None
     out_requires_grad: List[bool] = field(default_factory=list)
+
+    def what(self, direction: str) -> str:
+        return (f"{direction} of module '{self.module}' (microbatch {self.microbatch}, "
+                f"step {self.step})")
+
+
+@dataclass
+class _Prediction:
+    out_template: Any
+    metas: List[Tuple[Tuple[int, ...], torch.dtype, bool]]
+    expect: bytes  # what the owner must find, pickled as it pickles what it found
 
 
 class _RemoteCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx_, server: "ModuleServer", call: _Call, anchor, *inputs):
-        outputs = server._remote_forward(call, list(inputs), grad_enabled=True)
+        outputs = server._forward(call, list(inputs), grad_enabled=True)
         ctx_.server, ctx_.call = server, call
         ctx_.set_materialize_grads(False)
         ctx_.mark_non_differentiable(*[t for t, rg in zip(outputs, call.out_requires_grad) if not rg])
@@ -130,7 +119,7 @@ class _RemoteCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx_, *grads):
-        in_grads = ctx_.server._remote_backward(ctx_.call, list(grads))
+        in_grads = ctx_.server._backward(ctx_.call, list(grads))
         return (None, None, None, *in_grads)
 
 
@@ -138,19 +127,25 @@ class ModuleServer:
     """Serves this rank's modules to its pipeline peers and sends calls for theirs."""
 
     def __init__(self, root: nn.Module, assignment: Dict[str, int], pp_rank: int,
-                 lock: ComputeLock, timeline: Timeline, timeout_s: float) -> None:
+                 lock: ComputeLock, timeline: Timeline, timeout_s: float,
+                 device: torch.device, deterministic: bool = False) -> None:
         self.root = root
         self.assignment = assignment
         self.me = pp_rank
         self.lock = lock
         self.timeline = timeline
         self.timeout_s = timeout_s
+        self.device = device
+        self.deterministic = deterministic
+        self.predict = os.environ.get(PREDICT_ENV, "1") != "0"
         self.transport: Optional[Transport] = None
         self.schedule: Optional[Schedule] = None
         self.modules = dict(root.named_modules(remove_duplicate=False))
+        self.store = ValueStore(timeout_s)
         self._ids = itertools.count()
-        self._pending: Dict[int, "queue.Queue[Message]"] = {}
-        self._pending_lock = threading.Lock()
+        self._replies: Dict[int, "queue.Queue[Message]"] = {}
+        self._replies_lock = threading.Lock()
+        self._predictions: Dict[Any, _Prediction] = {}
         self._saved: Dict[Tuple[int, int], tuple] = {}  # (caller, call id) -> (inputs, outputs, mb)
         self.peak_live_microbatches = 0
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"smp-serve-{pp_rank}")
@@ -160,17 +155,28 @@ class ModuleServer:
         # "This rank's backward work for the step is done" (every microbatch ran forward here and
         # no graph is left): lets data parallelism start reducing early.
         self.on_local_backward_done: Optional[Callable[[], None]] = None
+        self._real_forward: Dict[str, Callable[..., Any]] = {}
+        # Per-microbatch bookkeeping, under one condition: requests received and not yet served,
+        # forwards among them, graphs kept, and what pp_rank 0 said is over.
+        self._cond = threading.Condition()
+        self._requests: collections.Counter = collections.Counter()
+        self._forwards: collections.Counter = collections.Counter()
+        self._graphs: collections.Counter = collections.Counter()
+        self._fwd_done: set = set()
+        self._mb_done: set = set()
+        self._admitted: set = set()
+        self._live: set = set()
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
         self._backwards_running = 0
-        self._progress_lock = threading.Lock()
-        self._real_forward: Dict[str, Callable[..., Any]] = {}
+        self._tickets = itertools.count()
+        self._turn = 0
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
         """Route calls: modules owned elsewhere go to their owner; on pp_rank 0, the modules the
         root's glue code calls directly become local regions, so that glue (which runs in the
-        microbatch threads) never holds the compute lock and relays replies without waiting."""
+        microbatch threads) never holds the compute lock."""
         for name, module in self.modules.items():
             self._real_forward.setdefault(name, module.forward)
         regions = set(_glue_callees(self.root, self.assignment)) if self.me == 0 else set()
@@ -187,58 +193,98 @@ class ModuleServer:
             module.__dict__.pop("forward", None)
         self._proxies.clear()
 
-    # Messages ------------------------------------------------------------------------------
+    # Messages (on a transport receiver thread: never sends, never waits) --------------------
     def dispatch(self, msg: Message) -> None:
-        """Called on a transport receiver thread for every message of the step."""
-        if msg.kind in (FWD_RESP, BWD_RESP):
-            with self._pending_lock:
-                box = self._pending.get(msg.call_id)
+        kind = msg.kind
+        if kind == VALUE:
+            self.store.put(msg.meta, msg.tensors[0], msg.microbatch)
+        elif kind in (FWD_REQ, BWD_REQ):
+            with self._cond:
+                self._requests[msg.microbatch] += 1
+                if kind == FWD_REQ:
+                    self._forwards[msg.microbatch] += 1
+                elif self.deterministic:
+                    msg.ticket = next(self._tickets)  # backwards run in the order they came
+            self._pool.submit(self._serve, msg)
+        elif kind in (SEND_TO, FETCH):
+            key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
+            value = self.store.want(key, dst)
+            if value is not None:
+                self._pool.submit(self._send_value, dst, key, value, msg.microbatch, msg.step)
+        elif kind == FWD_REPLY:
+            with self._replies_lock:
+                box = self._replies.get(msg.call_id)
             if box is None:
                 self.transport.fail(PipelineError(
                     f"pp rank {self.me} got an unexpected {msg.describe()} reply from pp rank {msg.src}"))
                 return
             box.put(msg)
-        elif msg.kind in (FWD_REQ, BWD_REQ):
-            self._pool.submit(self._serve, msg)
-        elif msg.kind == STEP_END:
+        elif kind == FWD_DONE:
+            with self._cond:
+                self._fwd_done.add(msg.microbatch)
+                self._release_if_done(msg.microbatch)
+                self._cond.notify_all()
+        elif kind == MB_DONE:
+            with self._cond:
+                self._mb_done.add(msg.microbatch)
+                self._drop_if_done(msg.microbatch)
+        elif kind == STEP_END:
             self.step_end.put(msg)
         else:
             self.transport.fail(PipelineError(f"pp rank {self.me}: unknown message {msg.kind!r}"))
 
     def wake_all(self, exc: BaseException) -> None:
-        """Transport failure: wake every thread waiting for a reply so it raises."""
-        with self._pending_lock:
-            boxes = list(self._pending.values())
+        """Transport failure: wake every thread waiting for a reply or a value so it raises."""
+        with self._replies_lock:
+            boxes = list(self._replies.values())
         for box in boxes:
             box.put(Message("error", meta=str(exc)))
+        self.store.fail(exc)
+        with self._cond:
+            self._cond.notify_all()
         self.step_end.put(Message("error", meta=str(exc)))
 
-    def _wait(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
+    def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int) -> None:
+        try:
+            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
+        except BaseException as e:  # noqa: BLE001  (already recorded by the transport)
+            logger.debug("sending %s to pp rank %d failed: %s", key, dst, e)
+
+    def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
                 msg = box.get(timeout=self.timeout_s)
             except queue.Empty:
-                err = PipelineError(
-                    f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp rank {peer} "
-                    f"(global rank {self.transport.ranks[peer]}): {what}. Rank {peer} may have "
-                    "stopped calling the step function, or died (SMSHIM_TIMEOUT sets this limit)")
+                err = self._timeout_error(peer, what)
                 self.transport.fail(err)
                 raise err from None
         if msg.kind == "error":
             raise PipelineError(f"pp rank {self.me}, waiting for {what}: {msg.meta}")
         return msg
 
-    def _new_box(self) -> Tuple[int, "queue.Queue[Message]"]:
-        call_id = next(self._ids)
-        box: "queue.Queue[Message]" = queue.Queue()
-        with self._pending_lock:
-            self._pending[call_id] = box
-        return call_id, box
+    def _timeout_error(self, peer: int, what: str) -> PipelineError:
+        return PipelineError(
+            f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp rank {peer} (global rank "
+            f"{self.transport.ranks[peer]}): {what}. Rank {peer} may have stopped calling the step "
+            "function, or died (SMSHIM_TIMEOUT sets this limit)")
 
-    def _drop_box(self, call_id: int) -> None:
-        with self._pending_lock:
-            self._pending.pop(call_id, None)
+    def _get_value(self, key, owner: int, what: str) -> torch.Tensor:
+        """A value this rank holds or is sent, waiting for it (lock given up)."""
+        value = self.store.peek(key)
+        if value is not None:
+            return value
+        with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
+            try:
+                return self.store.get(key, lambda: (
+                    f"pp rank {self.me} waiting for pp rank {owner} (global rank "
+                    f"{self.transport.ranks[owner]}): {what}"))
+            except PipelineError as e:
+                if self.transport.error is None:
+                    err = self._timeout_error(owner, what)
+                    self.transport.fail(err)
+                    raise err from e
+                raise
 
     # Caller side ---------------------------------------------------------------------------
     def call(self, name: str, owner: int, args: tuple, kwargs: dict) -> Any:
@@ -249,54 +295,169 @@ class ModuleServer:
                 f"module '{name}' lives on pipeline rank {owner}: it can only run inside an "
                 "@smp.step function")
         template, tensors = flatten((args, kwargs))
-        call = _Call(-1, owner, name, ctx.step, ctx.microbatch, len(tensors),
-                     [t.requires_grad for t in tensors])
-        call.template = template
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        requires = [grad and t.requires_grad and (t.is_floating_point() or t.is_complex())
+                    for t in tensors]
+        call = _Call(owner, name, ctx.step, ctx.microbatch, template,
+                     [(t.shape, t.dtype) for t in tensors], requires,
+                     [isinstance(t, RemoteTensor) for t in tensors],
+                     [t.grad_fn is None for t in tensors])
+        if grad:
             outputs = list(_RemoteCall.apply(self, call, self._anchor, *tensors))
         else:
-            outputs = self._remote_forward(call, tensors, grad_enabled=False)
+            outputs = self._forward(call, tensors, grad_enabled=False)
         return fill(call.out_template, outputs)
 
-    def _remote_forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
+    def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
         if call.owner == self.me:  # a local region: the same path, without the network
+            values = [self._real(t) for t in tensors]
             call.call_id = next(self._ids)
             out_template, outs, out_rg = self._execute_forward(
                 self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
-                list(tensors), call.input_requires_grad, grad_enabled)
+                values, call.requires, grad_enabled)
             call.out_template, call.out_requires_grad = out_template, out_rg
             return [t.detach() for t in outs]
-        call_id, box = self._new_box()
-        call.call_id = call_id
+        # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
+        # from inside a module on another rank, waits for the values.
+        sync = self.me != 0
+        template_bytes = pickle.dumps(call.template, protocol=pickle.HIGHEST_PROTOCOL)
+        pkey = (call.module, template_bytes, grad_enabled,
+                tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))
+        pred = None if (sync or not self.predict) else self._predictions.get(pkey)
+        call.call_id = call_id = next(self._ids)
+        enc, inline = self._encode(tensors, call.owner, call.microbatch)
+        reply = "data" if sync else ("meta" if pred is None else None)
+        box = self._new_box(call_id) if reply else None
         try:
             self.transport.send(call.owner, Message(
                 FWD_REQ, call.step, call.microbatch, call_id, call.module,
-                meta=(call.template, call.input_requires_grad, grad_enabled), tensors=tensors))
-            reply = self._wait(box, call.owner, f"forward of module '{call.module}' "
-                                                f"(microbatch {call.microbatch}, step {call.step})")
+                meta=(template_bytes, enc, call.requires, grad_enabled, reply,
+                      pred.expect if pred is not None else None),
+                tensors=inline))
+            if box is not None:
+                msg = self._wait_reply(box, call.owner, call.what("forward"))
         finally:
-            self._drop_box(call_id)
-        call.out_template, call.out_requires_grad = reply.meta
-        return reply.tensors
+            if box is not None:
+                self._drop_box(call_id)
+        if reply == "data":
+            call.out_template, metas = msg.meta
+            call.out_requires_grad = [rg for _, _, rg in metas]
+            return msg.tensors
+        if reply == "meta":
+            out_template, metas = msg.meta
+            pred = _Prediction(out_template, metas, _expectation(out_template, metas))
+            self._predictions[pkey] = pred
+        call.out_template = pred.out_template
+        call.out_requires_grad = [rg for _, _, rg in pred.metas]
+        return [RemoteTensor(_Cell(call.owner, (self.me, call_id, "out", i),
+                                   f"forward output {i} of module '{call.module}'",
+                                   call.microbatch, self._fetch), shape, dtype, self.device)
+                for i, (shape, dtype, _) in enumerate(pred.metas)]
 
-    def _remote_backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
+    def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
+        n = len(call.requires)
         if call.owner == self.me:
+            values = [None if g is None else self._real(g) for g in grads]
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
-                                              call.microbatch, grads)
-            return in_grads + [None] * (call.n_inputs - len(in_grads))
-        call_id, box = self._new_box()
-        present = [g is not None for g in grads]
-        try:
-            self.transport.send(call.owner, Message(
-                BWD_REQ, call.step, call.microbatch, call_id, call.module,
-                meta=(call.call_id, present), tensors=[g for g in grads if g is not None]))
-            reply = self._wait(box, call.owner, f"backward of module '{call.module}' "
-                                                f"(microbatch {call.microbatch}, step {call.step})")
-        finally:
-            self._drop_box(call_id)
-        it = iter(reply.tensors)
-        in_grads = [next(it) if has else None for has in reply.meta]
-        return in_grads + [None] * (call.n_inputs - len(in_grads))  # graph was gone: no grads
+                                              call.microbatch, values)
+            return in_grads + [None] * (n - len(in_grads))
+        sync = self.me != 0
+        enc, inline = self._encode(grads, call.owner, call.microbatch)
+        # Gradients this rank will need as values come unasked; the others stay with the owner
+        # until the next call up the chain asks for them to be sent where it runs.
+        push = [i for i in range(n) if call.requires[i] and (sync or not call.remote_in[i])]
+        self.transport.send(call.owner, Message(
+            BWD_REQ, call.step, call.microbatch, call.call_id, call.module, meta=(enc, push),
+            tensors=inline))
+        in_grads: List[Optional[torch.Tensor]] = []
+        for i in range(n):
+            if not call.requires[i]:
+                in_grads.append(None)
+                continue
+            cell = _Cell(call.owner, (self.me, call.call_id, "igrad", i),
+                         f"gradient of input {i} of module '{call.module}'", call.microbatch,
+                         self._fetch, pushed=i in push)
+            if sync or call.leaf_in[i]:
+                # autograd would store a handle in a leaf's .grad: give it the value.
+                in_grads.append(cell.resolve())
+            else:
+                shape, dtype = call.in_meta[i]
+                in_grads.append(RemoteTensor(cell, shape, dtype, self.device))
+        return in_grads
+
+    def _encode(self, tensors: List[Optional[torch.Tensor]], dst: int, mb: int):
+        """How `dst` finds each tensor: sent inline ("t", i), held by dst or sent to it by its
+        owner ("r", key, owner), or a lazy sum of such ("s", [...]); None stays None."""
+        inline: List[torch.Tensor] = []
+
+        def one(t):
+            if t is None:
+                return None
+            if isinstance(t, _Cell) or isinstance(t, RemoteTensor):
+                cell = t if isinstance(t, _Cell) else t._cell
+                if cell.value is None and cell.terms is not None:
+                    return ("s", [one(term) for term in cell.terms])
+                if cell.value is None:
+                    if cell.owner != dst:
+                        with cell.lock:
+                            ask = dst not in cell.sent_to
+                            cell.sent_to.add(dst)
+                        if ask:
+                            self.transport.send(cell.owner, Message(
+                                SEND_TO, ctx.step, mb, meta=(cell.key, dst)))
+                    return ("r", cell.key, cell.owner)
+                t = cell.value
+            inline.append(t)
+            return ("t", len(inline) - 1)
+
+        return [one(t) for t in tensors], inline
+
+    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: str):
+        if enc is None:
+            return None
+        kind = enc[0]
+        if kind == "t":
+            return tensors[enc[1]]
+        if kind == "r":
+            return self._get_value(enc[1], enc[2], what)
+        total = None
+        for term in enc[1]:
+            v = self._decode(term, tensors, src, what)
+            total = v if total is None else total + v
+        return total
+
+    def _fetch(self, cell: _Cell) -> torch.Tensor:
+        """A handle's data: pushed by its owner, or asked for once."""
+        key = cell.key
+        if cell.owner == self.me:
+            return self._get_value(key, self.me, cell.what)
+        with cell.lock:
+            ask = not cell.pushed and not cell.fetching
+            cell.fetching = True
+        if ask and self.store.peek(key) is None:
+            self.transport.send(cell.owner, Message(FETCH, ctx.step, cell.microbatch, meta=key))
+        return self._get_value(key, cell.owner, f"{cell.what} (microbatch {cell.microbatch}, "
+                                                f"step {ctx.step})")
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        return t.materialize() if isinstance(t, RemoteTensor) else t
+
+    def materialize(self, obj: Any) -> Any:
+        """`obj` with every handle replaced by its value (a step's results)."""
+        template, tensors = flatten(obj)
+        if not any(isinstance(t, RemoteTensor) for t in tensors):
+            return obj
+        return fill(template, [self._real(t) for t in tensors])
+
+    def _new_box(self, call_id: int) -> "queue.Queue[Message]":
+        box: "queue.Queue[Message]" = queue.Queue()
+        with self._replies_lock:
+            self._replies[call_id] = box
+        return box
+
+    def _drop_box(self, call_id: int) -> None:
+        with self._replies_lock:
+            self._replies.pop(call_id, None)
 
     # Owner side ----------------------------------------------------------------------------
     def _serve(self, msg: Message) -> None:
@@ -310,32 +471,87 @@ class ModuleServer:
             else:
                 self._serve_backward(msg)
         except BaseException as e:  # noqa: BLE001
+            if isinstance(e, PipelineError) and self.transport.error is not None:
+                return  # a failure elsewhere, already reported
             err = PipelineError(f"pp rank {self.me} failed running the {msg.describe()} "
                                 f"requested by pp rank {msg.src}: {type(e).__name__}: {e}")
             logger.exception("%s", err)
             self.transport.fail(err)
+        finally:
+            with self._cond:
+                self._requests[msg.microbatch] -= 1
+                if msg.kind == FWD_REQ:
+                    self._forwards[msg.microbatch] -= 1
+                    self._release_if_done(msg.microbatch)
+                self._drop_if_done(msg.microbatch)
+                self._cond.notify_all()
 
-    def _priority(self, kind: str, mb: int):
-        return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
+    def _what(self, msg: Message, direction: str) -> str:
+        return (f"{direction} of module '{msg.module}' (microbatch {msg.microbatch}, "
+                f"step {msg.step})")
 
     def _serve_forward(self, msg: Message) -> None:
-        template, requires, grad_enabled = msg.meta
+        template_bytes, enc, requires, grad_enabled, reply, expect = msg.meta
+        if msg.src == 0:
+            self._admit(msg.microbatch, msg.step)
+        what = f"an input of the {self._what(msg, 'forward')}"
+        tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        template = pickle.loads(template_bytes)
         out_template, outs, out_rg = self._execute_forward(
-            msg.src, msg.call_id, msg.module, msg.step, msg.microbatch, template, msg.tensors,
+            msg.src, msg.call_id, msg.module, msg.step, msg.microbatch, template, tensors,
             requires, grad_enabled)
-        self.transport.send(msg.src, Message(FWD_RESP, msg.step, msg.microbatch, msg.call_id,
-                                             msg.module, meta=(out_template, out_rg),
-                                             tensors=[t.detach() for t in outs]))
+        metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]
+        if expect is not None and _expectation(out_template, metas) != expect:
+            expected = pickle.loads(expect)
+            raise PipelineError(
+                f"module '{msg.module}' (microbatch {msg.microbatch}, step {msg.step}) returned "
+                f"{_describe(out_template, metas)}, but for inputs of the same shapes it returned "
+                f"{_describe(*expected)} before. smshim runs modules on other ranks ahead of "
+                "the caller, predicting their outputs' structure and shapes from the input shapes; "
+                f"for a module whose outputs depend on input values, set {PREDICT_ENV}=0")
+        outs = [t.detach() for t in outs]
+        if reply is not None:
+            self.transport.send(msg.src, Message(
+                FWD_REPLY, msg.step, msg.microbatch, msg.call_id, msg.module,
+                meta=(out_template, metas), tensors=outs if reply == "data" else []))
+        if reply != "data":  # handles on the caller: keep the values for whoever needs them
+            for i, t in enumerate(outs):
+                self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
+        self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
     def _serve_backward(self, msg: Message) -> None:
-        fwd_call_id, present = msg.meta
-        it = iter(msg.tensors)
-        grads = [next(it) if has else None for has in present]
-        in_grads = self._execute_backward(msg.src, fwd_call_id, msg.module, msg.step,
-                                          msg.microbatch, grads)
-        self.transport.send(msg.src, Message(
-            BWD_RESP, msg.step, msg.microbatch, msg.call_id, msg.module,
-            meta=[g is not None for g in in_grads], tensors=[g for g in in_grads if g is not None]))
+        enc, push = msg.meta
+        what = f"a gradient for the {self._what(msg, 'backward')}"
+        # The forward may still be queued here (requests do not wait for each other's replies).
+        self._get_value((msg.src, msg.call_id, "fwd", 0), self.me, self._what(msg, "forward"))
+        grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        if self.deterministic:
+            with self._cond:
+                while self._turn != msg.ticket:
+                    self._cond.wait(timeout=1.0)
+                    self.transport.check()
+        try:
+            in_grads = self._execute_backward(msg.src, msg.call_id, msg.module, msg.step,
+                                              msg.microbatch, grads)
+        finally:
+            if self.deterministic:
+                with self._cond:
+                    self._turn += 1
+                    self._cond.notify_all()
+        for i, g in enumerate(in_grads):
+            if g is None:
+                continue
+            key = (msg.src, msg.call_id, "igrad", i)
+            if i in push:
+                self.transport.send(msg.src, Message(VALUE, msg.step, msg.microbatch,
+                                                     module=msg.module, meta=key, tensors=[g]))
+            else:
+                self._keep(key, g, msg.microbatch, msg.step)
+
+    def _keep(self, key, value: torch.Tensor, mb: int, step: int) -> None:
+        """Hold a value for peers; send it to those who asked for it already."""
+        for dst in self.store.put(key, value, mb):
+            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
 
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
@@ -351,20 +567,25 @@ class ModuleServer:
             args, kwargs = fill(template, inputs)
             out = self._real_forward[name](*args, **kwargs)
         out_template, outs = flatten(out)
+        if caller != self.me:
+            # A region's results leave this rank as values (handles live on pp_rank 0 only).
+            outs = [self._real(t) for t in outs]
         out_rg = [grad_enabled and t.requires_grad for t in outs]
         if any(out_rg):
-            with self._progress_lock:
+            with self._cond:
                 self._forward_microbatches.add(mb)
                 self._saved[(caller, call_id)] = (inputs, outs, mb)
-            # Microbatches whose activations this rank holds right now (for the memory benchmark).
-            live = len({saved[2] for saved in list(self._saved.values())})
-            self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+                self._graphs[mb] += 1
+                # Microbatches whose activations this rank holds now (for the memory benchmark).
+                live = len({saved[2] for saved in self._saved.values()})
+                self.peak_live_microbatches = max(self.peak_live_microbatches, live)
         return out_template, outs, out_rg
 
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                           grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Backward through the graph kept for (caller, call_id); returns the inputs' gradients."""
-        with self._progress_lock:
+        """Backward through the graph kept for (caller, call_id); returns the inputs' gradients
+        (zeros for an input that needs one but which the outputs' gradients did not reach)."""
+        with self._cond:
             saved = self._saved.pop((caller, call_id), None)
             if saved is None:
                 return []
@@ -377,26 +598,108 @@ class ModuleServer:
                         self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
                                            caller=caller):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            in_grads = [t.grad if t.requires_grad else None for t in inputs]
+            in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
+                        if t.requires_grad else None for t in inputs]
         finally:
-            with self._progress_lock:
+            with self._cond:
                 self._backwards_running -= 1
+                self._graphs[mb] -= 1
+                self._release_if_done(mb)
+                self._cond.notify_all()
                 done = (not self._saved and self._backwards_running == 0
                         and len(self._forward_microbatches) >= self._expected_microbatches)
         if done and self.on_local_backward_done is not None:
             self.on_local_backward_done()
         return in_grads
 
-    def begin_step(self, microbatches: int) -> None:
+    def _priority(self, kind: str, mb: int):
+        return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
+
+    # Admission (interleaved: bounded activations per rank) ---------------------------------
+    def _admit(self, mb: int, step: int) -> None:
+        """Hold back the first forward of a new microbatch while this rank holds as many as the
+        schedule allows. New microbatches are taken in order (a lower one first, unless pp_rank 0
+        said its forward is done without coming here), so no microbatch can be overtaken by
+        one that then waits for it."""
+        limit = self.schedule.limit(self.me) if self.schedule else 1 << 30
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while mb not in self._admitted and not (len(self._live) < limit and all(
+                    j in self._admitted or j in self._fwd_done for j in range(mb))):
+                self.transport.check()
+                if time.monotonic() > deadline:
+                    raise PipelineError(
+                        f"pp rank {self.me} waited {self.timeout_s:.0f} s to start the forward of "
+                        f"microbatch {mb} (step {step}): it holds microbatches "
+                        f"{sorted(self._live)} whose backward has not come (admitted "
+                        f"{sorted(self._admitted)}, forward over {sorted(self._fwd_done)}, graphs "
+                        f"kept {dict(self._graphs)}, forwards queued {dict(self._forwards)})")
+                self._cond.wait(timeout=1.0)
+            if mb not in self._admitted:
+                self._admitted.add(mb)
+                self._live.add(mb)
+
+    def _release_if_done(self, mb: int) -> None:
+        # (under self._cond) A microbatch stops counting against the limit once its forward is
+        # over (pp_rank 0 said so and no forward request of it is left) and no graph is kept.
+        if mb in self._live and mb in self._fwd_done and self._forwards[mb] <= 0 \
+                and self._graphs[mb] <= 0:
+            self._live.discard(mb)
+
+    def _drop_if_done(self, mb: int) -> None:
+        # (under self._cond) pp_rank 0 has finished the microbatch and no request of it is left:
+        # nothing can ask for its values any more, and a graph still kept (an output that did
+        # not reach the loss, or a forward-only step with grad enabled) will get no backward.
+        if mb in self._mb_done and self._requests[mb] <= 0:
+            self.store.drop_microbatch(mb)
+            for key in [k for k, saved in self._saved.items() if saved[2] == mb]:
+                del self._saved[key]
+            self._graphs[mb] = 0
+            self._live.discard(mb)
+
+    # Steps ---------------------------------------------------------------------------------
+    def begin_step(self, microbatches: int, schedule: Schedule) -> None:
+        self.schedule = schedule
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
+        with self._cond:
+            for s in (self._fwd_done, self._mb_done, self._admitted, self._live):
+                s.clear()
+            for c in (self._requests, self._forwards, self._graphs):
+                c.clear()
+            self._turn = 0
+            self._tickets = itertools.count()
+        self.store.reset_error()
 
     def end_step(self) -> None:
-        """Drop graphs whose backward never came (outputs unused, or an eval step)."""
-        self._saved.clear()
+        """Drop graphs whose backward never came (outputs unused, or an eval step) and every
+        value kept for the step."""
+        with self._cond:
+            self._saved.clear()
+        self.store.clear()
+
+    def finish_microbatch(self, mb: int) -> None:
+        """pp_rank 0: microbatch `mb` is over; its values can go, here and on the peers."""
+        for peer in self.transport.peers:
+            self.transport.send(peer, Message(MB_DONE, ctx.step, mb))
+        self.store.drop_microbatch(mb)
+
+    def forward_done(self, mb: int) -> None:
+        """pp_rank 0: microbatch `mb` will make no more forward calls."""
+        for peer in self.transport.peers:
+            self.transport.send(peer, Message(FWD_DONE, ctx.step, mb))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _expectation(out_template: Any, metas) -> bytes:
+    return pickle.dumps((out_template, metas), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _describe(out_template: Any, metas) -> str:
+    shapes = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in metas)
+    return f"{type(out_template).__name__} of tensors [{shapes}]"
 
 
 def _glue_callees(root: nn.Module, assignment: Dict[str, int]):

@@ -20,6 +20,8 @@ transport; every waiter wakes up and raises it, naming the peer.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -32,8 +34,13 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# Message kinds.
-FWD_REQ, FWD_RESP, BWD_REQ, BWD_RESP = "fwd_req", "fwd_resp", "bwd_req", "bwd_resp"
+# Message kinds. Requests (server.py): run a module's forward / backward; a forward's output
+# metadata or values when the caller waits for them; a value (activation or gradient) travelling
+# from the rank that holds it to the rank that needs it; asking a rank to send a value it holds to
+# another rank or to the asker; pp_rank 0 saying a microbatch's forward / whole step is done.
+FWD_REQ, FWD_REPLY, BWD_REQ = "fwd_req", "fwd_reply", "bwd_req"
+VALUE, SEND_TO, FETCH = "value", "send_to", "fetch"
+FWD_DONE, MB_DONE = "fwd_done", "mb_done"
 STEP_END, CLOSE, ERROR = "step_end", "close", "error"
 
 
@@ -53,8 +60,8 @@ class Message:
     src: int = -1  # filled in on receipt (pp rank of the sender)
 
     def describe(self) -> str:
-        what = {FWD_REQ: "forward", FWD_RESP: "forward", BWD_REQ: "backward",
-                BWD_RESP: "backward"}.get(self.kind, self.kind)
+        what = {FWD_REQ: "forward", FWD_REPLY: "forward", BWD_REQ: "backward",
+                VALUE: "value", SEND_TO: "send request", FETCH: "fetch"}.get(self.kind, self.kind)
         mod = f" of module '{self.module}'" if self.module else ""
         mb = f", microbatch {self.microbatch}" if self.microbatch >= 0 else ""
         return f"{what}{mod}{mb} (step {self.step})"
@@ -69,8 +76,13 @@ class Transport:
 
     def __init__(self, ranks: List[int], my_pp_rank: int, group: dist.ProcessGroup,
                  dispatch: Callable[[Message], None], timeout_s: float,
-                 device: torch.device) -> None:
+                 device: torch.device, timeline=None) -> None:
         self.ranks = ranks
+        self.timeline = timeline
+        # What this rank sent, by (kind, peer pp rank): messages, and tensor bytes. The
+        # benchmarks and tests read these to show which rank sent what to whom.
+        self.sent_messages: collections.Counter = collections.Counter()
+        self.sent_bytes: collections.Counter = collections.Counter()
         self.me = my_pp_rank
         self.group = group
         self.timeout_s = timeout_s
@@ -164,8 +176,16 @@ class Transport:
         (A sender thread per peer would cost a thread hand-off on every hop of the pipeline.)"""
         self.check()
         dst = self.ranks[peer]
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
+        self.sent_messages[(msg.kind, peer)] += 1
+        self.sent_bytes[(msg.kind, peer)] += nbytes
+        span = (self.timeline.span(f"send {msg.kind} to {peer}", "transfer", peer=peer,
+                                   bytes=nbytes, microbatch=msg.microbatch, step=msg.step,
+                                   module=msg.module)
+                if self.timeline is not None and self.timeline.enabled and msg.kind != CLOSE
+                else contextlib.nullcontext())
         try:
-            with self._send_locks[peer]:
+            with self._send_locks[peer], span:
                 self._send_one(dst, msg)
         except Exception as e:  # noqa: BLE001
             err = PipelineError(f"pp rank {self.me} could not send {msg.describe()} to pp rank "
@@ -222,7 +242,8 @@ class Transport:
         header_len, body_len = frame[:_PREFIX].view(torch.int64).tolist()
         msg: Message = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
         if _PREFIX + header_len + body_len <= FRAME_BYTES:
-            body = frame[_PREFIX + header_len:_PREFIX + header_len + body_len].clone()
+            # No copy here: each tensor is cloned out of the frame below, before the next receive.
+            body = frame[_PREFIX + header_len:_PREFIX + header_len + body_len]
         else:
             body = torch.empty(body_len, dtype=torch.uint8)
             dist.recv(body, src, group=self.group)

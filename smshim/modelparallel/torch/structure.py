@@ -1,0 +1,60 @@
+"""Nested arguments and results as a template plus a flat list of tensors.
+
+A module call's arguments and a module's outputs are arbitrary nests of list / tuple / namedtuple
+/ dict (Hugging Face's ModelOutput too) with tensors and other objects as leaves. To send one, the
+tensors go as tensors and the rest (the template, with a `_Slot` where each tensor was) is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+import torch
+
+
+class _Slot:
+    """Stands for the i-th tensor in a flattened structure."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (_Slot, (self.index,))
+
+
+def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild nested list/tuple/namedtuple/dict (subclasses too) with `fn` applied to leaves."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_leaves(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_leaves(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        # A dict subclass (e.g. Hugging Face's ModelOutput) is rebuilt without calling its
+        # __init__, whose signature is its own.
+        out = {} if type(obj) is dict else type(obj).__new__(type(obj))
+        if type(obj) is not dict:
+            dict.__init__(out)
+        for k, v in obj.items():
+            out[k] = _map_leaves(v, fn)
+        return out
+    return fn(obj)
+
+
+def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
+    """Replace every tensor in nested containers by a slot; return (template, tensors)."""
+    tensors: List[torch.Tensor] = []
+
+    def to_slot(leaf):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            return _Slot(len(tensors) - 1)
+        return leaf
+
+    return _map_leaves(obj, to_slot), tensors
+
+
+def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
+    """Inverse of `flatten`."""
+    return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)

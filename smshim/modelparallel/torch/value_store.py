@@ -1,0 +1,92 @@
+"""The tensors a pipeline rank holds for its peers, by key.
+
+A rank keeps here the results of the requests it served (forward outputs and backward input
+gradients, under the key of the call that made them) until some peer needs them, and the values
+peers sent it, until a request of its own uses them. Keys are unique across the pipeline (they
+start with the calling rank and its call id), so one store serves both.
+
+`want(key, dst)` is how a value leaves: sent at once if it is here, else as soon as `put` brings
+it. `get(key)` waits for a value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and
+from which rank. Values are dropped per microbatch (`drop_microbatch`) once nothing can ask for
+them any more, and all at the end of a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .transport import PipelineError
+
+Key = Tuple[Any, ...]
+
+
+class ValueStore:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
+        self._wanted: Dict[Key, List[int]] = {}
+        self._error: Optional[BaseException] = None
+
+    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[int]:
+        """Keep `value`; returns the ranks that asked for it before it existed (send it to them)."""
+        with self._cond:
+            self._values[key] = (value, microbatch)
+            self._cond.notify_all()
+            return self._wanted.pop(key, [])
+
+    def want(self, key: Key, dst: int) -> Optional[torch.Tensor]:
+        """The value if it is here (send it now); else remember that `dst` wants it."""
+        with self._cond:
+            entry = self._values.get(key)
+            if entry is not None:
+                return entry[0]
+            self._wanted.setdefault(key, []).append(dst)
+            return None
+
+    def peek(self, key: Key) -> Optional[torch.Tensor]:
+        with self._cond:
+            entry = self._values.get(key)
+            return None if entry is None else entry[0]
+
+    def get(self, key: Key, describe: Callable[[], str]) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while True:
+                entry = self._values.get(key)
+                if entry is not None:
+                    return entry[0]
+                if self._error is not None:
+                    raise PipelineError(f"{describe()}: {self._error}") from self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(f"{describe()}: nothing came in {self.timeout_s:.0f} s "
+                                        "(SMSHIM_TIMEOUT sets this limit)")
+                self._cond.wait(timeout=min(left, 1.0))
+
+    def drop_microbatch(self, microbatch: int) -> None:
+        with self._cond:
+            for key in [k for k, (_, mb) in self._values.items() if mb == microbatch]:
+                del self._values[key]
+
+    def clear(self) -> None:
+        with self._cond:
+            self._values.clear()
+            self._wanted.clear()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def reset_error(self) -> None:
+        with self._cond:
+            self._error = None
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._values)
