@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ class GradReducer:
                     view.copy_(p.grad)
                     p.grad = view
         # Round state.
+        self._round = 0  # synced rounds finished so far (named in errors as "synced backward #n")
+        self._missing_here = 0  # parameters this rank staged as lacking in the current round
         self._ready = [False] * len(self.params)
         self._armed = False
         self._auto_finalize = True
@@ -209,6 +212,24 @@ class GradReducer:
     def armed(self) -> bool:
         return self._armed
 
+    def mark_outputs(self, outputs: Any) -> Any:
+        """Return `outputs` with the tensors that require grad passed through an identity autograd
+        node whose backward queues the end-of-backward reduction (torch DDP's `_DDPSink`).
+
+        Without it, a rank whose backward reaches no parameter fires no gradient hook, so it would
+        never join the round's allreduces and the other ranks would wait until the timeout; with
+        it, that rank reduces zeros flagged as missing and every rank raises the same error."""
+        if not (self._armed and self._auto_finalize):
+            return outputs
+        leaves, spec = tree_flatten(outputs)
+        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return outputs
+        marked = _BackwardStart.apply(self._on_backward_start, *[leaves[k] for k in idx])
+        for k, t in zip(idx, marked):
+            leaves[k] = t
+        return tree_unflatten(leaves, spec)
+
     def finalize(self) -> None:
         """Reduce everything not reduced yet, wait, and leave the averages in `param.grad`.
 
@@ -217,6 +238,7 @@ class GradReducer:
         rank lacked a gradient and `find_unused_parameters` is False.
         """
         armed = self._armed
+        self._round += 1
         try:
             if self._local_only:
                 missing = [i for i in range(len(self.params)) if self._lacks_grad(i, armed)]
@@ -276,6 +298,7 @@ class GradReducer:
         return hook
 
     def _reset_round(self) -> None:
+        self._missing_here = 0
         self._ready = [False] * len(self.params)
         self._armed = False
         self._callback_queued = False
@@ -318,6 +341,11 @@ class GradReducer:
                 self._launch(b)
                 self._next += 1
 
+    def _on_backward_start(self) -> None:
+        if self._armed and self._auto_finalize and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_in_backward)
+
     def _finalize_in_backward(self) -> None:
         if self._armed:
             self.finalize()
@@ -341,6 +369,7 @@ class GradReducer:
             views[s].zero_()
             b.flags[s] = 1
             b.flags_dirty = True
+        self._missing_here += len(lacking)
         grads = [(s, params[members[s]].grad) for s in slots if s not in lacking]
         # "stale": gradients living outside the bucket (no view mode, first step, grads set None).
         stale = [(s, g) for s, g in grads if g is not None and g is not views[s]]
@@ -377,10 +406,14 @@ class GradReducer:
 
     def _complete(self, b: _Bucket) -> None:
         """Wait for bucket b and copy its averages into the gradients."""
-        if self._hook is None:
-            b.work.wait()
-        else:
+        try:
             result = b.work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"DistributedDataParallel: the gradient allreduce of synced backward "
+                f"#{self._round} (bucket {b.index}) failed on rank {_global_rank()}: {e}. Another "
+                "rank probably failed or exited: see its error") from e
+        if self._hook is not None:
             if isinstance(result, (list, tuple)):
                 result = result[0]
             if result.data_ptr() != b.grads.data_ptr():
@@ -421,7 +454,7 @@ class GradReducer:
         for b in self.buckets:
             b.flags_dirty = True  # reduced flags stay in the buffers: cleared at the next round
         if not self.find_unused_parameters:
-            raise RuntimeError(self._unused_message(counts))
+            raise RuntimeError(self._unused_message(counts, self._missing_per_rank()))
         for i, count in counts.items():
             p = self.params[i]
             if count >= self.world_size:
@@ -430,14 +463,54 @@ class GradReducer:
                 view = self._view(i)
                 p.grad = view if self.gradient_as_bucket_view else view.clone()
 
-    def _unused_message(self, counts: Dict[int, int]) -> str:
+    def _missing_per_rank(self) -> Dict[int, int]:
+        """Error path only (every rank is on it): global rank -> parameters it had no gradient for."""
+        mine = torch.tensor([self._missing_here], dtype=torch.int64, device=self.buckets[0].device)
+        got = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(got, mine, group=self.process_group)
+        out = {}
+        for r, t in enumerate(got):
+            g = r if self.process_group is None else dist.get_global_rank(self.process_group, r)
+            out[g] = int(t.item())
+        return out
+
+    def _unused_message(self, counts: Dict[int, int],
+                        per_rank: Optional[Dict[int, int]] = None) -> str:
         listed = ", ".join(
             f"{self.names[i]!r}" + (f" (no gradient on {c} of {self.world_size} ranks)"
                                     if self.world_size > 1 else "")
             for i, c in sorted(counts.items()))
-        return (f"DistributedDataParallel: parameters received no gradient in this synced "
-                f"backward: {listed}. Make every parameter take part in the loss, remove the "
-                f"unused ones, or use find_unused_parameters=True")
+        where = ""
+        if per_rank:
+            n = len(self.params)
+            parts = [f"rank {r}: " + ("its backward reached no parameter" if m == n
+                                      else f"no gradient for {m} of {n} parameters")
+                     for r, m in sorted(per_rank.items()) if m]
+            where = f" ({'; '.join(parts)})"
+        return (f"DistributedDataParallel: in synced backward #{self._round} (step "
+                f"{self._round}), parameters received no gradient{where}: {listed}. Make every "
+                f"parameter take part in the loss on every rank, remove the unused ones, or use "
+                f"find_unused_parameters=True")
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the module's outputs; its backward (the first node a backward through them
+    runs) tells the reducer that a backward has started."""
+
+    @staticmethod
+    def forward(ctx: Any, on_start: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.on_start = on_start
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.on_start()
+        return (None, *grads)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _name(names: Optional[Sequence[str]], k: int, p: torch.Tensor) -> str:

@@ -191,6 +191,45 @@ def test_unused_parameter_error_names_it():
         assert "'used.weight'" not in m, m
 
 
+def _backward_reaches_no_parameter():
+    import time
+
+    from smshim.dataparallel.torch import distributed as dist
+    from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group()
+    rank = dist.get_rank()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x, skip):
+            return x * 2 if skip else self.lin(x)  # data-dependent: no parameter on this path
+
+    model = DDP(Net())
+    for step in (1, 2, 3):
+        x = torch.ones(2, 3, requires_grad=True)
+        t0 = time.monotonic()
+        try:
+            model(x, skip=(rank == 1 and step == 2)).sum().backward()
+        except RuntimeError as e:
+            return step, time.monotonic() - t0, str(e)
+    return None, None, "no error"
+
+
+def test_backward_reaching_no_parameter_fails_every_rank_quickly():
+    """Rank 1's step-2 backward reaches no parameter: every rank raises within seconds, naming
+    rank 1 and the step, instead of rank 0 waiting until SMSHIM_TIMEOUT (set to 600 s here)."""
+    out = run_ranks(_backward_reaches_no_parameter, 2, timeout=90, env={"SMSHIM_TIMEOUT": "600"})
+    for step, seconds, msg in out:
+        assert step == 2, msg
+        assert seconds < 30, seconds
+        assert "rank 1: its backward reached no parameter" in msg, msg
+        assert "synced backward #2" in msg and "'lin.weight'" in msg, msg
+
+
 def test_find_unused_parameters_treats_missing_as_zero():
     for out in run_ranks(_unused, 2, True, False, timeout=60):
         assert out["never.weight"] is None and out["never.bias"] is None
