@@ -127,6 +127,43 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(port: int = 0,
+                   tmo: datetime.timedelta = datetime.timedelta(seconds=60)) -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1 only (port 0: the OS picks one, no race).
+
+    TCPStore itself binds every interface; a single-node job needs no outside access, and smp's
+    messages in the store are pickled. So the socket is bound here and handed over."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on.
+    return dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, timeout=tmo,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def single_host(info: LaunchInfo) -> bool:
+    """Every rank of the job runs on this host."""
+    return info.local_size == info.world_size
+
+
+def _gloo_on_loopback(info: LaunchInfo) -> None:
+    """All ranks on this host: gloo listens on the loopback interface only (unless the user chose
+    one with GLOO_SOCKET_IFNAME)."""
+    if info.world_size > 1 and single_host(info) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = loopback_interface()
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+
+
 def _mpi_share_port(info: LaunchInfo, tmo: datetime.timedelta) -> dist.Store:
     """Rank 0 opens the store on an OS-chosen port; MPI carries (addr, port) to the others."""
     from mpi4py import MPI  # only under mpirun: importing mpi4py initialises MPI
@@ -139,10 +176,14 @@ def _mpi_share_port(info: LaunchInfo, tmo: datetime.timedelta) -> dist.Store:
         )
     store = None
     if info.rank == 0:
-        # All ranks on this host: loopback. Several hosts: this host's name, resolvable by the others.
-        host = "127.0.0.1" if info.local_size == info.world_size else socket.getfqdn()
-        store = dist.TCPStore("0.0.0.0", 0, info.world_size, is_master=True, timeout=tmo,
-                              wait_for_workers=False)
+        # All ranks on this host: listen on loopback only. Several hosts: every interface, and
+        # this host's name, resolvable by the others.
+        if single_host(info):
+            host, store = LOOPBACK, loopback_store(0, tmo)
+        else:
+            host = socket.getfqdn()
+            store = dist.TCPStore("0.0.0.0", 0, info.world_size, is_master=True, timeout=tmo,
+                                  wait_for_workers=False)
         endpoint = (host, store.port)
     else:
         endpoint = None
@@ -161,6 +202,7 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
         return info
     backend = backend or default_backend()
     tmo = timeout()
+    _gloo_on_loopback(info)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     if info.master_addr is not None and info.master_port is not None:
@@ -219,6 +261,19 @@ def teardown() -> None:
 atexit.register(teardown)
 
 
+def loopback_interface() -> Optional[str]:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), if any: what
+    GLOO_SOCKET_IFNAME must name for gloo to listen on loopback only."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return None
+
+
 def free_port() -> int:
     """A TCP port the OS reports free right now (for launchers that must choose one up front)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -245,6 +300,7 @@ def export_mpi_env() -> bool:
     info = detect_launch()
     if not info.is_mpi:
         return False
+    _gloo_on_loopback(info)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(info.rank), str(info.world_size)
     os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(info.local_size))

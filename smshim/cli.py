@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a SageMaker estimator's hyperparameters, as a JSON object")
     r.add_argument("--channel", action="append", default=[], metavar="NAME=PATH",
                    help="a data channel: sets SM_CHANNEL_<NAME> (repeatable)")
+    r.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restart the whole worker group up to N times after a worker fails "
+                        "(torchrun's meaning); scripts resume from their newest checkpoint")
     r.add_argument("--output-dir", default="smshim_output",
                    help="where SM_MODEL_DIR (model/) and SM_OUTPUT_DATA_DIR (output/data/) point")
     r.add_argument("script", help="the training script")
@@ -125,17 +128,35 @@ def prepare(a: argparse.Namespace) -> tuple:
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not fight for cores
 
-    if a.nnodes == 1 and a.master_port is None:
-        # torchrun --standalone: a c10d rendezvous on a port the OS picks, no race.
-        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={})
+    if a.max_restarts < 0:
+        _fail(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if a.nnodes == 1:
+        # torchrun --standalone's c10d rendezvous (it re-forms the group after a restart), with
+        # its stores and the workers' gloo sockets on loopback only: nothing outside needs them.
+        from smshim import _rendezvous
+        from smshim._runtime import loopback_interface
+
+        rdzv = dict(rdzv_backend=_rendezvous.register(),
+                    rdzv_endpoint=f"{_rendezvous.LOOPBACK}:{a.master_port or 0}", rdzv_configs={},
+                    local_addr=_rendezvous.LOOPBACK)
+        ifname = loopback_interface()
+        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     else:
-        addr = a.master_addr or "127.0.0.1"
+        addr = a.master_addr
         port = a.master_port or 29500
-        rdzv = dict(rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
-                    rdzv_configs={"rank": a.node_rank})
+        if a.max_restarts > 0:
+            # Only the c10d rendezvous re-forms gloo groups after a restart (the static one's new
+            # attempt can dial the old attempt's addresses). Node ranks then come from the
+            # rendezvous; node 0 (--node-rank 0) hosts its store.
+            rdzv = dict(rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
+                        rdzv_configs={"is_host": a.node_rank == 0})
+        else:
+            rdzv = dict(rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
+                        rdzv_configs={"rank": a.node_rank})
     config = LaunchConfig(
         min_nodes=a.nnodes, max_nodes=a.nnodes, nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()), max_restarts=0, monitor_interval=0.1, **rdzv,
+        run_id=str(uuid.uuid4()), max_restarts=a.max_restarts, monitor_interval=0.1, **rdzv,
     )
     entry_args = ["-u", "-m", "smshim._worker", a.script,
                   *hyperparameter_args(hps), *a.script_args]
