@@ -1,6 +1,7 @@
 """Runtime bring-up: launcher detection, timeouts, and real process groups under each launcher."""
 
 import os
+import re
 import shutil
 import sys
 
@@ -111,3 +112,32 @@ def test_teardown_destroys_groups_the_script_created():
     for order, initialized in run_ranks(_smddp_groups_then_teardown, 2, timeout=60):
         assert order == [True]  # hooks run while the groups still exist
         assert not initialized
+
+
+LISTENING = os.path.join(os.path.dirname(ALLREDUCE), "listening.py")
+
+
+def _listeners(out: str) -> list:
+    return re.findall(r"^LISTEN (\S+):(\d+) (\d+)$", out, re.M)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` to list listening sockets")
+def test_single_node_smshim_run_listens_on_loopback_only():
+    """The launcher's rendezvous store, the workers' shared store and every gloo group."""
+    out = run_command([sys.executable, "-m", "smshim", "run", "-n", "2", LISTENING], timeout=120,
+                      env=NO_LAUNCHER).stdout
+    found = _listeners(out)
+    assert len({pid for _, _, pid in found}) == 3, out  # the launcher and both workers listen
+    assert all(addr == "127.0.0.1" for addr, _, _ in found), out
+    assert "STORE 127.0.0.1:" in out and "GLOO_SOCKET_IFNAME=lo" in out, out
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("ss") is None,
+                    reason="needs mpirun and `ss`")
+def test_single_host_mpirun_store_and_gloo_on_loopback():
+    out = run_command(["mpirun", "-n", "2", sys.executable, LISTENING], timeout=120,
+                      env=NO_LAUNCHER).stdout
+    store = re.search(r"^STORE 127\.0\.0\.1:(\d+) GLOO_SOCKET_IFNAME=lo$", out, re.M)
+    assert store, out
+    # MPI's own sockets may use other interfaces; the store must not.
+    assert [a for a, port, _ in _listeners(out) if port == store.group(1)] == ["127.0.0.1"], out
