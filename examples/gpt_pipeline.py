@@ -11,6 +11,12 @@ in a ModuleList, final LayerNorm, LM head tied to the embedding); smp splits it 
 pipeline ranks by itself. The corpus is the Python standard library's own source, read at run
 time, split into one contiguous shard per data-parallel replica.
 
+Checkpoints: every --checkpoint-every steps (default 10) the job saves an smp checkpoint under
+--checkpoint-dir (default: <output dir>/checkpoints); started again, it resumes from the newest
+complete one, so `smshim run --max-restarts N` continues a job that lost a worker where it left off.
+Batches and the learning rate are functions of the step number, so a resumed job trains exactly
+like an uninterrupted one.
+
 Rank 0 reports loss, step time, samples/s and tokens/s per step. At the end the output directory
 (--out-dir, else SM_MODEL_DIR's parent, else ./smshim_output/) gets loss_curve.png and, with
 --timeline (default), timeline.png: the pipeline's forward/backward spans on every rank for one
@@ -121,8 +127,11 @@ def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def sample_batch(data: torch.Tensor, batch: int, context: int, g: torch.Generator) -> tuple:
-    """`batch` random windows of the corpus: inputs and the same shifted by one (next bytes)."""
+def sample_batch(data: torch.Tensor, batch: int, context: int, seed: int) -> tuple:
+    """`batch` random windows of the corpus: inputs and the same shifted by one (next bytes).
+    Drawn from a generator seeded per step (not one running generator), so that a job resumed
+    from a checkpoint sees the same batches as one that never stopped."""
+    g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(data) - context - 1, (batch,), generator=g)
     offsets = torch.arange(context + 1)
     windows = data[starts[:, None] + offsets]
@@ -144,6 +153,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None,
                    help="output directory (default: SM_MODEL_DIR's parent, else ./smshim_output)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where checkpoints go and are resumed from (default: <out dir>/checkpoints)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="save a checkpoint every K steps (0: never)")
     p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
                    help="trace the pipeline and draw one step's timeline (default on)")
     # SageMaker passes the hyperparameters, including mp_parameters, as arguments too.
@@ -167,6 +180,27 @@ def train_step(model, idx, targets):
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     model.backward(loss)
     return loss
+
+
+def resume(ckpt_dir: str, schedule: torch.optim.lr_scheduler.LRScheduler) -> tuple:
+    """(first step to run, losses so far) from the newest complete checkpoint, else (0, [])."""
+    if not os.path.exists(os.path.join(ckpt_dir, "newest")):
+        return 0, []
+    # Model and optimizer state apply at partitioning (the first step); the optimizer state
+    # carries the learning rate the schedule had set for the next step.
+    state = smp.resume_from_checkpoint(ckpt_dir)
+    schedule.load_state_dict(state["schedule"])
+    if smp.rank() == 0:
+        log(f"resumed from {ckpt_dir} at step {state['step']}")
+    return state["step"], list(state["losses"])
+
+
+def save(ckpt_dir: str, step: int, model, optimizer, schedule, losses: list) -> None:
+    """A partial checkpoint after `step` steps (every rank takes part; the last two are kept)."""
+    smp.save_checkpoint(ckpt_dir, tag=f"step{step}", partial=True, model=model,
+                        optimizer=optimizer, num_kept_partial_checkpoints=2,
+                        user_content={"step": step, "losses": losses,
+                                      "schedule": schedule.state_dict()})
 
 
 def trace_one_step(args: argparse.Namespace, trace_dir: str, idx: torch.Tensor,
@@ -199,13 +233,14 @@ def main() -> int:
     data = stdlib_corpus(args.corpus_kb * 1024)
     n = len(data) // smp.dp_size()
     shard = data[smp.dp_rank() * n:(smp.dp_rank() + 1) * n]  # this replica's part of the corpus
-    g = torch.Generator().manual_seed(args.seed * 1000 + smp.dp_rank())
 
     model, optimizer = build(args)
     # Linear warm-up for the first steps, then cosine decay to 10 %.
     warm = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+    ckpt_dir = args.checkpoint_dir or os.path.join(out_dir, "checkpoints")
+    start, losses = resume(ckpt_dir, schedule)
 
     if rank0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -217,9 +252,10 @@ def main() -> int:
     samples = args.batch_size * smp.dp_size()  # per step, over all replicas
     tokens = samples * args.context
     progress = Progress(args.steps, enabled=rank0)
-    losses, times = [], []
-    for step in range(args.steps):
-        idx, targets = sample_batch(shard, args.batch_size, args.context, g)
+    times = []
+    for step in range(start, args.steps):
+        idx, targets = sample_batch(shard, args.batch_size, args.context,
+                                    (args.seed * 1_000_003 + step) * 1009 + smp.dp_rank())
         t0 = time.perf_counter()
         optimizer.zero_grad()
         out = train_step(model, idx, targets)
@@ -231,19 +267,25 @@ def main() -> int:
         losses.append(loss)
         times.append(dt)
         progress.update(step, loss, dt, samples, tokens)
+        if args.checkpoint_every > 0 and ((step + 1) % args.checkpoint_every == 0
+                                          or step + 1 == args.steps):
+            save(ckpt_dir, step + 1, model, optimizer, schedule, losses)
     progress.close()
 
     tail = max(1, len(losses) // 10)  # smooth the end of the curve a little
     first, last = losses[0], sum(losses[-tail:]) / tail
-    if rank0:
+    if rank0 and times:
         steady = times[1:] or times  # the first step also partitions the model
         mean_t = sum(steady) / len(steady)
-        log(f"{len(losses)} steps in {sum(times):.1f} s; after the first: {1e3 * mean_t:.0f} ms/step, "
+        log(f"{len(times)} steps in {sum(times):.1f} s; after the first: {1e3 * mean_t:.0f} ms/step, "
             f"{samples / mean_t:.1f} samples/s, {human(tokens / mean_t)} tokens/s")
-        if plot_curve(losses, os.path.join(out_dir, "loss_curve.png"),
-                      f"GPT on stdlib source, pp={smp.pp_size()} x dp={smp.dp_size()}"):
-            log(f"wrote {os.path.join(out_dir, 'loss_curve.png')}")
-    if args.timeline:
+    elif rank0:
+        log(f"training already complete: the checkpoint in {ckpt_dir} is at step {args.steps} "
+            "(pass a new --checkpoint-dir, or delete it, to train again)")
+    if rank0 and plot_curve(losses, os.path.join(out_dir, "loss_curve.png"),
+                            f"GPT on stdlib source, pp={smp.pp_size()} x dp={smp.dp_size()}"):
+        log(f"wrote {os.path.join(out_dir, 'loss_curve.png')}")
+    if args.timeline and times:
         trace_dir = os.path.join(out_dir, "trace")
         trace_one_step(args, trace_dir, idx, targets)
         smp.barrier()  # every rank has written its trace (each step's end flushes it)

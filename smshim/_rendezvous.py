@@ -5,7 +5,9 @@ restart (`--max-restarts`), which the static one does not reliably do. It hosts 
 the launcher: the rendezvous state and the store the workers share (their default group's and
 smp's messages). torch binds both to every interface; on one node nothing outside needs to reach
 them, and smp's messages are pickled, so here both listen on 127.0.0.1 only: the sockets are bound
-here and handed to TCPStore (`master_listen_fd`). Everything else is torch's
+here and handed to TCPStore (`master_listen_fd`). And torch keeps the workers' shared store
+across restarts, so a restarted group reads the dead attempt's keys (gloo's connectFullMesh then
+dials addresses nobody listens on): here it is new for every round. Everything else is torch's
 DynamicRendezvousHandler and C10dRendezvousBackend, registered as rendezvous backend
 `smshim-local`.
 """
@@ -31,10 +33,18 @@ BACKEND = "smshim-local"
 
 
 class _LoopbackHandler(DynamicRendezvousHandler):
-    """torch's handler; only the workers' shared store server is bound to loopback."""
+    """torch's handler, with the workers' shared store bound to loopback and new every round."""
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
         return loopback_store(master_port)
+
+    def next_rendezvous(self):  # type: ignore[no-untyped-def]
+        # A fresh shared store for every round, as torch's env:// code assumes ("we create a new
+        # TCPStore for every retry"): torch keeps the first round's, so a restarted group would
+        # read the previous attempt's keys and gloo would dial the dead workers' addresses.
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        return super().next_rendezvous()
 
     def get_backend(self) -> str:
         return BACKEND  # the agent checks the handler answers to the name it asked for

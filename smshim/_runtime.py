@@ -195,6 +195,12 @@ def _mpi_share_port(info: LaunchInfo, tmo: datetime.timedelta) -> dist.Store:
     return store
 
 
+def _agent_store() -> bool:
+    """The workers were started by torch's elastic agent, which hosts their store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and \
+        "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
     """Bring up the default process group once; later calls return the same LaunchInfo."""
     info = detect_launch()
@@ -205,8 +211,17 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
     _gloo_on_loopback(info)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    if info.master_addr is not None and info.master_port is not None:
-        # torch's env:// rendezvous, which also knows torchrun's agent-hosted store.
+    if info.master_addr is not None and info.master_port is not None and _agent_store():
+        # The elastic agent's store outlives a restart of the workers (torch's c10d rendezvous
+        # keeps it): keys of this attempt go under their own prefix, so a restarted group never
+        # reads a dead attempt's gloo addresses.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                              is_master=False, timeout=tmo)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"smshim/attempt_{attempt}/", agent),
+                                rank=info.rank, world_size=info.world_size, timeout=tmo)
+    elif info.master_addr is not None and info.master_port is not None:
+        # torch's env:// rendezvous.
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
         dist.init_process_group(backend, init_method="env://", rank=info.rank,
