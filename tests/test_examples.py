@@ -85,3 +85,32 @@ def test_train_dp(tmp_path):
                        os.path.join(EXAMPLES, "train_dp.py"), "--steps", "10"],
                       timeout=120, cwd=str(tmp_path))
     _loss_fell(out.stdout + out.stderr)  # it logs to stderr
+
+
+@needs_sklearn
+def test_mnist_smp_resumes_from_its_newest_checkpoint(tmp_path):
+    """A second start of the job continues from the first one's newest checkpoint (what a
+    restart after a lost worker does), mid-epoch included."""
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2}),
+           "SMP_MANUAL_INIT": None}
+    script = os.path.join(EXAMPLES, "mnist_smp.py")
+    common = ["--model-dir", str(tmp_path / "job" / "model"), "--limit", "400", "--batch-size",
+              "16", "--checkpoint-every", "7"]
+    first = run_command([sys.executable, "-m", "smshim", "run", "-n", "2", script, "--epochs", "1",
+                         *common], timeout=150, cwd=str(tmp_path), env=env).stdout
+    ckpt = tmp_path / "job" / "checkpoints"  # beside the model directory
+    assert (ckpt / "newest").read_text() == "epoch1", first
+    assert "resumed from" not in first
+    # Epoch 1 has 20 steps (320 images / 16); the last two checkpoints are kept: step 14 and
+    # the end of the epoch. Make step 14 the newest, as if the job had died at step 15.
+    steps = sorted(p.name for p in ckpt.iterdir() if p.name.endswith("_partial"))
+    assert "step14_partial" in steps, steps
+    (ckpt / "newest").write_text("step14")
+    second = run_command([sys.executable, "-m", "smshim", "run", "-n", "2", script, "--epochs", "2",
+                          *common], timeout=150, cwd=str(tmp_path), env=env).stdout
+    assert re.search(r"resumed from \S+ at epoch 1, batch 14 \(step 14\)", second), second
+    assert "epoch 1:" in second and "epoch 2:" in second, second
+    assert (ckpt / "newest").read_text() == "epoch2", second
+    third = run_command([sys.executable, "-m", "smshim", "run", "-n", "2", script, "--epochs", "2",
+                         *common], timeout=150, cwd=str(tmp_path), env=env).stdout
+    assert "training already complete" in third, third
