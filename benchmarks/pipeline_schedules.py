@@ -53,10 +53,18 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x * self.w, self.tf, 2 * self.tf)
 
 
+class LossStage(SleepStage):
+    """The last stage computes the loss, as torch's schedules do with `loss_fn` on the last
+    stage: so neither system sends activations back to the first stage for it."""
+
+    def forward(self, x):
+        return super().forward(x).sum()
+
+
 class SleepPipe(nn.Module):
     def __init__(self, p: int, tf: float) -> None:
         super().__init__()
-        self.stages = nn.ModuleList([SleepStage(tf) for _ in range(p)])
+        self.stages = nn.ModuleList([SleepStage(tf) for _ in range(p - 1)] + [LossStage(tf)])
 
     def forward(self, x):
         for s in self.stages:
@@ -80,9 +88,9 @@ def _smshim(p, m, tf, steps, schedule):
 
     @smp.step
     def train_step(model, x):
-        out = model(x)
-        model.backward(out.sum())
-        return out.sum()
+        loss = model(x)
+        model.backward(loss)
+        return loss
 
     x = torch.ones(m, 4)
     times = []

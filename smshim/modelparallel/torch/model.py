@@ -196,7 +196,9 @@ class DistributedModel(nn.Module):
             if g is None:
                 if t.numel() != 1:
                     raise ValueError("model.backward: grad_tensors is needed for a non-scalar tensor")
-                g = torch.ones_like(t)
+                # From the metadata only: `t` may be a handle to a loss on another rank, whose
+                # value rank 0 does not need for the backward.
+                g = torch.ones(t.shape, dtype=t.dtype, device=t.device)
             # Scaling each microbatch's gradient by 1/m averages over microbatches without
             # touching gradients accumulated before this step.
             grads.append(g * scale if scale != 1.0 else g)

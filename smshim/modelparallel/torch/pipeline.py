@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .scheduler import ComputeLock, Schedule, make_schedule
+from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
 from .server import ModuleServer, ctx
 from .structure import fill, flatten
 from .timeline import Timeline
@@ -114,6 +114,8 @@ class Pipeline:
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
                 ctx.in_step = False
+                self.server.turn_done(FORWARD, mb)
+                self.server.turn_done(BACKWARD, mb)
                 with self._cond:
                     counts["finished"] += 1
                     self._backward_finished.add(mb)
@@ -122,7 +124,9 @@ class Pipeline:
         threads = []
         with self._cond:
             while counts["finished"] < m and not errors and self.transport.error is None:
-                while schedule.may_start_forward(counts["started"], counts["finished"]):
+                # A microbatch stops counting against rank 0's limit when its backward here is
+                # done (its activations are gone), not when its body has fetched its results.
+                while schedule.may_start_forward(counts["started"], len(self._backward_finished)):
                     t = threading.Thread(target=body, args=(counts["started"],), daemon=True,
                                          name=f"smp-mb{counts['started']}")
                     counts["started"] += 1
@@ -165,6 +169,7 @@ class Pipeline:
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
+        self.server.turn_done(BACKWARD, mb)
         with self._cond:
             self._backward_finished.add(mb)
             self._cond.notify_all()
@@ -174,6 +179,7 @@ class Pipeline:
         if ctx.forward_done:
             return
         ctx.forward_done = True
+        self.server.turn_done(FORWARD, mb)
         self.server.forward_done(mb)
         with self._cond:
             self._forwards_done += 1

@@ -166,6 +166,9 @@ class ModuleServer:
         self._mb_done: set = set()
         self._admitted: set = set()
         self._live: set = set()
+        self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
+        self._fwd_turns: set = set()  # pp_rank 0: microbatches whose forward (backward) is over
+        self._bwd_turns: set = set()
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
         self._backwards_running = 0
@@ -203,8 +206,13 @@ class ModuleServer:
                 self._requests[msg.microbatch] += 1
                 if kind == FWD_REQ:
                     self._forwards[msg.microbatch] += 1
-                elif self.deterministic:
-                    msg.ticket = next(self._tickets)  # backwards run in the order they came
+                else:
+                    if msg.src == 0:
+                        # pp_rank 0 asks for a backward only once the microbatch's forward code
+                        # is over: this says what FWD_DONE would.
+                        self._fwd_done.add(msg.microbatch)
+                    if self.deterministic:
+                        msg.ticket = next(self._tickets)  # backwards run in the order they came
             self._pool.submit(self._serve, msg)
         elif kind in (SEND_TO, FETCH):
             key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
@@ -227,6 +235,7 @@ class ModuleServer:
         elif kind == MB_DONE:
             with self._cond:
                 self._mb_done.add(msg.microbatch)
+                self._fwd_done.add(msg.microbatch)
                 self._drop_if_done(msg.microbatch)
         elif kind == STEP_END:
             self.step_end.put(msg)
@@ -311,6 +320,7 @@ class ModuleServer:
     def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
         if call.owner == self.me:  # a local region: the same path, without the network
             values = [self._real(t) for t in tensors]
+            self._wait_turn(self._fwd_turns, call.microbatch, call.what("forward"))
             call.call_id = next(self._ids)
             out_template, outs, out_rg = self._execute_forward(
                 self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
@@ -327,6 +337,9 @@ class ModuleServer:
         call.call_id = call_id = next(self._ids)
         enc, inline = self._encode(tensors, call.owner, call.microbatch)
         reply = "data" if sync else ("meta" if pred is None else None)
+        if not sync:
+            with self._cond:
+                self._visited[call.microbatch].add(call.owner)
         box = self._new_box(call_id) if reply else None
         try:
             self.transport.send(call.owner, Message(
@@ -358,6 +371,7 @@ class ModuleServer:
         n = len(call.requires)
         if call.owner == self.me:
             values = [None if g is None else self._real(g) for g in grads]
+            self._wait_turn(self._bwd_turns, call.microbatch, call.what("backward"))
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
                                               call.microbatch, values)
             return in_grads + [None] * (n - len(in_grads))
@@ -615,17 +629,43 @@ class ModuleServer:
     def _priority(self, kind: str, mb: int):
         return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
 
+    # pp_rank 0's own modules run microbatch after microbatch ----------------------------
+    def _wait_turn(self, done: set, mb: int, what: str) -> None:
+        """On pp_rank 0, a module of microbatch `mb` (called by the step body's glue code) waits
+        until every earlier microbatch has finished that direction here: stage 0 then runs one
+        microbatch's forward (backward) through all its modules before the next one's, as a
+        pipeline stage should, instead of interleaving them module by module and so delaying
+        every later stage."""
+        if self.me != 0 or not ctx.in_step or done is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while any(j not in done for j in range(mb)):
+                self.transport.check()
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"pp rank 0 waited {self.timeout_s:.0f} s to run the {what}:"
+                                        f" earlier microbatches {sorted(set(range(mb)) - done)} "
+                                        "did not finish theirs")
+                self._cond.wait(timeout=1.0)
+
+    def turn_done(self, direction: str, mb: int) -> None:
+        """pp_rank 0: microbatch `mb`'s forward (backward) code is over here."""
+        with self._cond:
+            (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
+            self._cond.notify_all()
+
     # Admission (interleaved: bounded activations per rank) ---------------------------------
     def _admit(self, mb: int, step: int) -> None:
         """Hold back the first forward of a new microbatch while this rank holds as many as the
-        schedule allows. New microbatches are taken in order (a lower one first, unless pp_rank 0
-        said its forward is done without coming here), so no microbatch can be overtaken by
-        one that then waits for it."""
+        schedule allows. New microbatches are taken in order (a lower one first, unless its
+        forward is over and none of its forward requests came here), so no microbatch can be
+        overtaken by one that then waits for it."""
         limit = self.schedule.limit(self.me) if self.schedule else 1 << 30
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while mb not in self._admitted and not (len(self._live) < limit and all(
-                    j in self._admitted or j in self._fwd_done for j in range(mb))):
+                    j in self._admitted or (j in self._fwd_done and self._forwards[j] <= 0)
+                    for j in range(mb))):
                 self.transport.check()
                 if time.monotonic() > deadline:
                     raise PipelineError(
@@ -663,7 +703,8 @@ class ModuleServer:
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
         with self._cond:
-            for s in (self._fwd_done, self._mb_done, self._admitted, self._live):
+            for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
+                      self._fwd_turns, self._bwd_turns):
                 s.clear()
             for c in (self._requests, self._forwards, self._graphs):
                 c.clear()
@@ -685,9 +726,14 @@ class ModuleServer:
         self.store.drop_microbatch(mb)
 
     def forward_done(self, mb: int) -> None:
-        """pp_rank 0: microbatch `mb` will make no more forward calls."""
+        """pp_rank 0: microbatch `mb` will make no more forward calls. The peers it called learn
+        it from its first backward request (or MB_DONE); the others are told now, so they can
+        take the next microbatch."""
+        with self._cond:
+            visited = self._visited.pop(mb, set())
         for peer in self.transport.peers:
-            self.transport.send(peer, Message(FWD_DONE, ctx.step, mb))
+            if peer not in visited:
+                self.transport.send(peer, Message(FWD_DONE, ctx.step, mb))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,13 +1,13 @@
 """Messages between the ranks of one pipeline (PP) group.
 
-Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one receiver
-thread, and sends to a peer are serialised by one lock per peer (taken by whichever thread sends,
-so a hop costs no thread hand-off), on a process group used by nothing else: messages from one
-rank to another arrive in the order they were sent and gloo's (peer, tag) matching can never pair
-a buffer with the wrong message. A message is a small header (an int64 length, then the
-pickled `Message` without its tensors, which carries their shapes and dtypes) and the tensors'
-bytes, framed into a single send when it fits in FRAME_BYTES (see `_send_one`). Tensors travel
-through CPU memory on a gloo group, whatever the compute device.
+Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
+thread and one receiver thread, on a process group used by nothing else: messages from one rank
+to another arrive in the order they were queued, and gloo's (peer, tag) matching can never pair a
+buffer with the wrong message. Callers only queue (`send`), so no compute or glue thread waits on
+the network to send; the sender takes everything queued for its peer and sends it as one frame:
+a small header (two int64 lengths, then the pickled `Message`s without their tensors, which carry
+their shapes and dtypes) and the tensors' bytes, in a single send when it fits in FRAME_BYTES (see
+`_send_frame`). Tensors travel through CPU memory on a gloo group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -98,8 +98,14 @@ class Transport:
         self._threads: List[threading.Thread] = []
         self._frames: Dict[int, torch.Tensor] = {}  # one receive buffer per peer (one thread each)
         self.peers = [p for p in range(len(ranks)) if p != self.me]
+        self._outbox: Dict[int, _Outbox] = {}
         for peer in self.peers:
             self._send_locks[peer] = threading.Lock()
+            self._outbox[peer] = _Outbox()
+            t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
+                                 name=f"smp-send-{self.me}-{peer}")
+            t.start()
+            self._threads.append(t)
             self._session_starts[peer] = threading.Semaphore(0)
             t = threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
                                  name=f"smp-recv-{self.me}-{peer}")
@@ -134,7 +140,7 @@ class Transport:
         for peer in self.peers:
             try:
                 with self._send_locks[peer]:
-                    self._send_one(self.ranks[peer], notice)
+                    self._send_frame(self.ranks[peer], [notice])
             except Exception:  # noqa: BLE001  (best effort: the peer may be gone)
                 pass
 
@@ -154,7 +160,7 @@ class Transport:
         """Tell every peer we are done with this step; wait until every peer has said the same
         and our own CLOSEs have left (a rank may exit right after its last step)."""
         for peer in self.peers:
-            self.send(peer, Message(CLOSE, step=step))  # returns once sent
+            self.send(peer, Message(CLOSE, step=step), wait=True)
         waiting = set(self.peers)
         while waiting:
             self.check()
@@ -170,38 +176,65 @@ class Transport:
         self.check()
 
     # ---- sending ----------------------------------------------------------------------------
-    def send(self, peer: int, msg: Message) -> None:
-        """Send from the calling thread. The per-peer lock is the ordering rule: messages to a
-        peer go out whole and one after another, so they arrive in the order they were sent.
-        (A sender thread per peer would cost a thread hand-off on every hop of the pipeline.)"""
+    def send(self, peer: int, msg: Message, wait: bool = False) -> None:
+        """Queue `msg` for `peer`; with `wait`, return once it has left. One sender thread per
+        peer is the ordering rule (messages to a peer arrive in the order they were queued), and
+        it sends everything queued meanwhile as one frame: a caller never waits on the network
+        to send, and a burst of requests (one per module of a stage) costs one gloo send."""
         self.check()
-        dst = self.ranks[peer]
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
         self.sent_messages[(msg.kind, peer)] += 1
         self.sent_bytes[(msg.kind, peer)] += nbytes
-        span = (self.timeline.span(f"send {msg.kind} to {peer}", "transfer", peer=peer,
-                                   bytes=nbytes, microbatch=msg.microbatch, step=msg.step,
-                                   module=msg.module)
-                if self.timeline is not None and self.timeline.enabled and msg.kind != CLOSE
-                else contextlib.nullcontext())
-        try:
-            with self._send_locks[peer], span:
-                self._send_one(dst, msg)
-        except Exception as e:  # noqa: BLE001
-            err = PipelineError(f"pp rank {self.me} could not send {msg.describe()} to pp rank "
-                                f"{peer} (global rank {dst}): {e}")
-            self.fail(err)
-            raise err from e
+        done = threading.Event() if wait else None
+        box = self._outbox[peer]
+        with box.cond:
+            box.items.append((msg, done))
+            box.cond.notify()
+        if done is not None:
+            while not done.wait(timeout=1.0):
+                self.check()
+            self.check()
 
-    def _send_one(self, dst: int, msg: Message) -> None:
-        # One frame per message: [header length][body length][pickled header][tensor bytes].
-        # The receiver posts a fixed-size buffer (gloo accepts a shorter message), so a small
-        # message costs a single send; a body too large for the frame follows as one more send.
-        tensors = [t.detach().to("cpu").contiguous() for t in msg.tensors]
-        metas = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
-        header = pickle.dumps(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
-                                      msg.meta, metas), protocol=pickle.HIGHEST_PROTOCOL)
-        body = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    def _send_loop(self, peer: int) -> None:
+        box = self._outbox[peer]
+        dst = self.ranks[peer]
+        while True:
+            with box.cond:
+                while not box.items and not self._shutdown:
+                    box.cond.wait()
+                if not box.items:
+                    return
+                batch, box.items = box.items, []
+            msgs = [m for m, _ in batch]
+            nbytes = sum(t.numel() * t.element_size() for m in msgs for t in m.tensors)
+            span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to {peer}",
+                                       "transfer", peer=peer, bytes=nbytes, messages=len(msgs),
+                                       microbatch=msgs[0].microbatch, step=msgs[0].step,
+                                       module=msgs[0].module)
+                    if self.timeline is not None and self.timeline.enabled
+                    and msgs[0].kind != CLOSE else contextlib.nullcontext())
+            try:
+                with self._send_locks[peer], span:
+                    self._send_frame(dst, msgs)
+            except Exception as e:  # noqa: BLE001
+                self.fail(PipelineError(f"pp rank {self.me} could not send {msgs[0].describe()} "
+                                        f"to pp rank {peer} (global rank {dst}): {e}"))
+            for _, done in batch:
+                if done is not None:
+                    done.set()
+
+    def _send_frame(self, dst: int, msgs: List[Message]) -> None:
+        # One frame: [header length][body length][pickled headers][tensor bytes]. The receiver
+        # posts a fixed-size buffer (gloo accepts a shorter message), so small messages cost a
+        # single send; a body too large for the frame follows as one more send.
+        headers, body = [], []
+        for msg in msgs:
+            tensors = [t.detach().to("cpu").contiguous() for t in msg.tensors]
+            metas = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
+            headers.append(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
+                                   msg.meta, metas))
+            body += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+        header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.numel() for b in body)
         inline = _PREFIX + len(header) + body_len <= FRAME_BYTES
         lengths = torch.tensor([len(header), body_len], dtype=torch.int64).view(torch.uint8)
@@ -220,43 +253,58 @@ class Transport:
             if self._shutdown:
                 return
             try:
-                while True:
-                    msg = self._recv_one(src)
-                    msg.src = peer
-                    if msg.kind == CLOSE:
-                        self._closed_peers.put(peer)
-                        break
-                    if msg.kind == ERROR:
-                        self.fail(PipelineError(str(msg.meta)), tell_peers=True)
-                        return
-                    self._dispatch(msg)
+                closed = False
+                while not closed:
+                    for msg in self._recv_frame(src):
+                        msg.src = peer
+                        if msg.kind == CLOSE:
+                            self._closed_peers.put(peer)
+                            closed = True  # CLOSE is the last message of a peer's step
+                            break
+                        if msg.kind == ERROR:
+                            self.fail(PipelineError(str(msg.meta)), tell_peers=True)
+                            return
+                        self._dispatch(msg)
             except Exception as e:  # noqa: BLE001
                 if not self._shutdown:
                     self.fail(PipelineError(f"pp rank {self.me} lost pp rank {peer} (global rank "
                                             f"{src}) while receiving: {e}"), tell_peers=True)
                 return
 
-    def _recv_one(self, src: int) -> Message:
+    def _recv_frame(self, src: int) -> List[Message]:
         frame = self._frames.setdefault(src, torch.empty(FRAME_BYTES, dtype=torch.uint8))
         dist.recv(frame, src, group=self.group)
         header_len, body_len = frame[:_PREFIX].view(torch.int64).tolist()
-        msg: Message = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+        msgs: List[Message] = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
         if _PREFIX + header_len + body_len <= FRAME_BYTES:
             # No copy here: each tensor is cloned out of the frame below, before the next receive.
             body = frame[_PREFIX + header_len:_PREFIX + header_len + body_len]
         else:
             body = torch.empty(body_len, dtype=torch.uint8)
             dist.recv(body, src, group=self.group)
-        tensors, offset = [], 0
-        for shape, dtype, nbytes in msg.tensors:
-            # clone(): a fresh, aligned storage per tensor, so view(dtype) is legal.
-            t = body[offset:offset + nbytes].clone().view(dtype).reshape(shape)
-            offset += nbytes
-            tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
-        msg.tensors = tensors
-        return msg
+        offset = 0
+        for msg in msgs:
+            tensors = []
+            for shape, dtype, nbytes in msg.tensors:
+                # clone(): a fresh, aligned storage per tensor, so view(dtype) is legal.
+                t = body[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+                offset += nbytes
+                tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
+            msg.tensors = tensors
+        return msgs
 
     def shutdown(self) -> None:
         self._shutdown = True
         for sem in self._session_starts.values():
             sem.release()
+        for box in self._outbox.values():
+            with box.cond:
+                box.cond.notify_all()
+
+
+class _Outbox:
+    """Messages queued for one peer, taken by its sender thread."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.items: List[tuple] = []

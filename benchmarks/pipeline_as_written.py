@@ -1,0 +1,303 @@
+"""Benchmark (e): real compute, the model written the way people write models.
+
+An MLP of 8 pre-LN residual blocks (d = 512, hidden 4d) kept in an `nn.ModuleList` and looped
+over in `forward`, then a linear head that computes the loss from the targets; batch 128. Three
+systems train it, rotated step by step inside the same p processes (one thread each) so that all
+see the same machine load:
+
+- smshim: `smp.DistributedModel(model)` with pp = p, `m` microbatches, schedule `simple` or
+  `interleaved`; the model as written (every block its own module, the root's forward a loop),
+  partitioned manually (`manual`: blocks split evenly in order, the head with the last ones, by
+  `smp.set_partition`) or automatically (`auto`);
+- torch.distributed.pipelining: `PipelineStage`s built from the same blocks (same split),
+  `ScheduleGPipe` for `simple`, `Schedule1F1B` for `interleaved`, loss on the last stage;
+- one process: the whole model on rank 0 on the same global batch, the other ranks waiting.
+
+Every step includes `optimizer.step()` and `zero_grad()`. A step's time is the slowest rank's; we
+report medians over the measured steps and medians of the per-step paired ratios. All three start
+from the same weights and see the same batches; the benchmark asserts that smshim's and torch's
+losses equal the single-process ones at every step. smshim's transport counters give the messages
+and bytes each rank sent to each other rank per step.
+
+    python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from smshim.testing import run_ranks  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+D, BLOCKS, CLASSES, BATCH, LR = 512, 8, 16, 128, 1e-3
+LOSS_RTOL = 1e-4  # fp32 reduction order differs between the systems, nothing else
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, d: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(h), targets)
+
+
+class MLP(nn.Module):
+    """As written: blocks in a ModuleList, looped over; the head computes the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(D) for _ in range(BLOCKS)])
+        self.head = Head(D, CLASSES)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets)
+
+
+class Stage(nn.Module):
+    """torch.distributed.pipelining's stage k: its share of the blocks (+ the head's linear on
+    the last stage; the loss is the schedule's loss_fn there)."""
+
+    def __init__(self, model: MLP, k: int, p: int) -> None:
+        super().__init__()
+        n = BLOCKS // p
+        self.blocks = nn.ModuleList(model.blocks[k * n:(k + 1) * n])
+        self.fc = model.head.fc if k == p - 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(x) if self.fc is not None else x
+
+
+def make_model() -> MLP:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def make_batches(n: int) -> List[tuple]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, D, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+            for _ in range(n)]
+
+
+def _smshim_setup(p: int, m: int, schedule: str, partition: str):
+    import smdistributed.modelparallel.torch as smp
+
+    cfg: Dict[str, Any] = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
+                           "auto_partition": partition == "auto", "default_partition": 0}
+    if schedule == "simple":
+        cfg["active_microbatches"] = m  # else smp switches simple to interleaved
+    smp.init(cfg)
+    module = make_model()
+    model = smp.DistributedModel(module)
+    if partition == "manual":
+        for i, block in enumerate(module.blocks):
+            smp.set_partition(block, i // (BLOCKS // p))
+        smp.set_partition(module.head, p - 1)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model, x, targets):
+        loss = model(x, targets)
+        model.backward(loss)
+        return loss
+
+    def step(x, targets) -> float:
+        loss = train_step(model, x, targets)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.reduce_mean())
+
+    return smp, model, step
+
+
+def _torch_setup(p: int, m: int, schedule: str, rank: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage_mod = Stage(make_model(), rank, p)
+    stage = PipelineStage(stage_mod, rank, p, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "simple" else Schedule1F1B
+    sched = cls(stage, n_microbatches=m, loss_fn=F.cross_entropy)
+    opt = torch.optim.Adam(stage_mod.parameters(), lr=LR)
+
+    def step(x, targets) -> float:
+        loss = math.nan
+        if rank == 0:
+            sched.step(x)
+        elif rank == p - 1:
+            losses: List[torch.Tensor] = []
+            sched.step(target=targets, losses=losses)
+            loss = float(torch.stack(losses).detach().mean())
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def _single_setup():
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step(x, targets) -> float:
+        loss = model(x, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    return step
+
+
+def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int):
+    import torch.distributed as dist
+
+    smp, model, ours = _smshim_setup(p, m, schedule, partition)  # brings up the default group
+    rank = dist.get_rank()
+    systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank),
+               "single": _single_setup() if rank == 0 else None}
+    times: Dict[str, List[float]] = {k: [] for k in systems}
+    losses: Dict[str, List[float]] = {k: [] for k in systems}
+    sent_before: Counter = Counter()
+    for i, (x, targets) in enumerate(make_batches(warmup + steps)):
+        order = list(systems)[i % 3:] + list(systems)[:i % 3]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn = systems[name]
+            loss = fn(x, targets) if fn is not None else math.nan
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(loss)
+        if i == warmup - 1:
+            sent_before = Counter(model._pipeline.transport.sent_messages)
+    transport = model._pipeline.transport
+    per_step = {f"{kind}->{peer}": n / steps
+                for (kind, peer), n in (Counter(transport.sent_messages) - sent_before).items()}
+    owned = sorted({n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks.") else "")
+                    for n, _ in model.local_named_parameters()})
+    peak = model._pipeline.server.peak_live_microbatches
+    smp.reset()
+    return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()}, "losses": losses,
+            "sent_per_step": per_step, "owned": owned, "peak_live": peak}
+
+
+def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
+    n = len(results[0]["times"]["smshim"])
+    step_t = {k: [max(r["times"][k][i] for r in results) for i in range(n)]
+              for k in ("smshim", "torch", "single")}
+    ours, single = results[0]["losses"]["smshim"], results[0]["losses"]["single"]
+    theirs = results[p - 1]["losses"]["torch"]
+    for name, got in (("smshim", ours), ("torch.distributed.pipelining", theirs)):
+        for step, (a, b) in enumerate(zip(got, single)):
+            if not math.isclose(a, b, rel_tol=LOSS_RTOL):
+                raise AssertionError(f"p={p} m={m} {schedule} {partition}: {name} loss {a:.7f} != "
+                                     f"single-process loss {b:.7f} at step {step}")
+
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(step_t[a], step_t[b]))
+
+    return {"p": p, "m": m, "schedule": schedule, "partition": partition,
+            "torch_name": "ScheduleGPipe" if schedule == "simple" else "Schedule1F1B",
+            "smshim_s": statistics.median(step_t["smshim"]),
+            "torch_s": statistics.median(step_t["torch"]),
+            "single_s": statistics.median(step_t["single"]),
+            "smshim_vs_torch": ratio("smshim", "torch"),
+            "smshim_vs_single": ratio("smshim", "single"),
+            "torch_vs_single": ratio("torch", "single"),
+            "ideal_vs_single": (m + p - 1) / (p * m),
+            "owned_by_rank": [r["owned"] for r in results],
+            "peak_live_by_rank": [r["peak_live"] for r in results],
+            "sent_per_step_by_rank": [r["sent_per_step"] for r in results],
+            "step_times_s": step_t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--p", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--steps", type=int, default=10, help="measured steps (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--partitions", nargs="+", default=["manual", "auto"],
+                    choices=["manual", "auto"])
+    ap.add_argument("--schedules", nargs="+", default=["simple", "interleaved"],
+                    choices=["simple", "interleaved"])
+    ap.add_argument("--out", default=os.path.join(RESULTS, "pipeline_as_written.json"))
+    a = ap.parse_args()
+
+    t_start, load = time.perf_counter(), os.getloadavg()
+    rows = []
+    for p in a.p:
+        for m in a.m:
+            for partition in a.partitions:
+                if p > 2 and partition == "auto":
+                    continue  # one auto-partitioned layout (pp = 2) is enough to show it
+                for schedule in a.schedules:
+                    res = run_ranks(_compare, p, p, m, schedule, partition, a.warmup, a.steps,
+                                    timeout=900)
+                    rows.append(_summarise(res, p, m, schedule, partition))
+                    r = rows[-1]
+                    print(f"p={p} m={m} {partition} {schedule}: smshim {1e3 * r['smshim_s']:.1f} "
+                          f"ms, torch {1e3 * r['torch_s']:.1f} ms, single {1e3 * r['single_s']:.1f} "
+                          f"ms; ours/torch {r['smshim_vs_torch']:.3f}, ours/single "
+                          f"{r['smshim_vs_single']:.3f}", flush=True)
+    print(f"\nMLP {BLOCKS} x pre-LN residual block (d={D}, hidden {4 * D}), head + loss, batch "
+          f"{BATCH}; one thread per process; median of {a.steps} steps after {a.warmup} warm-up; "
+          f"load avg at start {load[0]:.2f}")
+    print(f"{'p':>2} {'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
+          f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12} "
+          f"{'ideal':>6}  peak live mb per rank")
+    for r in rows:
+        print(f"{r['p']:>2} {r['m']:>3} {r['partition']:<9} {r['schedule']:<12} "
+              f"{1e3 * r['smshim_s']:9.1f} {1e3 * r['torch_s']:9.1f} {1e3 * r['single_s']:9.1f} "
+              f"{r['smshim_vs_torch']:10.3f} {r['smshim_vs_single']:11.3f} "
+              f"{r['torch_vs_single']:12.3f} {r['ideal_vs_single']:6.3f}  {r['peak_live_by_rank']}")
+    for r in rows:
+        if r["partition"] == "auto":
+            print(f"auto partition (p={r['p']}): " + "; ".join(
+                f"rank {i} owns {o}" for i, o in enumerate(r["owned_by_rank"])))
+            break
+    print("smshim messages per step, by sender (kind->receiving pp rank), last row:")
+    for i, sent in enumerate(rows[-1]["sent_per_step_by_rank"]):
+        print(f"  rank {i}: {dict(sorted(sent.items()))}")
+    print(f"losses equal to single-process within rtol {LOSS_RTOL} at every step (smshim and torch)")
+    wall = time.perf_counter() - t_start
+    print(f"wall time {wall:.0f} s; load avg at end {os.getloadavg()[0]:.2f}")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"d": D, "blocks": BLOCKS, "batch": BATCH, "steps": a.steps, "warmup": a.warmup,
+                   "load_avg_start": load, "load_avg_end": os.getloadavg(), "wall_s": wall,
+                   "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""The pipeline's data path: results stay on the rank that computed them.
+
+Glue code that reads values, values used twice, a module called twice, keyword and dict outputs
+between remote modules, a stage's output returned from the step, a last batch smaller than the
+others — all equal to single-process training; and the transport's own counters show that a
+4-stage chain moves each activation and each gradient once, between neighbouring ranks.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from smshim.testing import free_port, run_ranks
+from tests.pipeline_models import Block
+
+TOL = 1e-5
+D = 16
+
+
+class Two(nn.Module):
+    """A dict output."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return {"p": torch.tanh(self.l1(x)), "q": self.l2(x)}
+
+
+class Fuse(nn.Module):
+    """Keyword inputs."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, p, q, scale=1.0):
+        return self.lin(p * q) * scale
+
+
+class GlueNet(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.a, self.b, self.c = Block(d), Block(d), Block(d)
+        self.two, self.fuse = Two(d), Fuse(d)
+        self.k1, self.k2 = nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.a(F.gelu(self.inp(x)))
+        u = self.b(h)
+        r = u + h  # a residual add in the glue, across a stage boundary
+        if u.abs().mean().item() > 1e6:  # .item() drives an if (never taken)
+            r = r * 0
+        v = self.b(r, scale=0.5)  # a module called twice, with a keyword argument
+        s = self.c(v)
+        t = self.k1(s) + self.k2(s)  # an output used twice, on two ranks
+        out = self.two(t)  # a dict output ...
+        z = self.fuse(**out, scale=2.0)  # ... into another rank's module as keywords
+        return {"logits": self.head(z), "hidden": s}
+
+
+# pp rank of each module (pp = 3): every call crosses a boundary, and values hop 1 -> 2 -> 0 ...
+GLUE_PLACEMENT = {"a": 0, "b": 1, "c": 2, "k1": 0, "k2": 2, "two": 1, "fuse": 2, "head": 1}
+BATCHES = [8, 8, 8, 4]  # the last batch is smaller
+
+
+def _glue_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+            for n in BATCHES]
+
+
+def _glue_model():
+    torch.manual_seed(0)
+    return GlueNet()
+
+
+def _glue_reference():
+    model = _glue_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for x, y in _glue_batches():
+        opt.zero_grad()
+        out = model(x)
+        F.cross_entropy(out["logits"], y).backward()
+        outputs.append((out["logits"].detach(), out["hidden"].detach()))
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}, outputs
+
+
+def _glue_train(schedule):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": 2, "pipeline": schedule,
+              "active_microbatches": 2, "auto_partition": False, "default_partition": 0})
+    module = _glue_model()
+    model = smp.DistributedModel(module)
+    for name, pid in GLUE_PLACEMENT.items():
+        smp.set_partition(getattr(module, name), pid)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x)
+        loss = F.cross_entropy(out["logits"], y)
+        model.backward(loss)
+        return out["logits"], out["hidden"]  # stage outputs (ranks 1 and 2) returned
+
+    outputs = []
+    for x, y in _glue_batches():
+        opt.zero_grad()
+        logits, hidden = train_step(model, x, y)
+        opt.step()
+        outputs.append((logits.concat(), hidden.concat()))
+    return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+            "outputs": outputs}
+
+
+def _check_glue(results):
+    want_params, want_outputs = _glue_reference()
+    got = {}
+    for r in results:
+        got.update(r["params"])
+    assert set(got) == set(want_params)
+    for n, p in want_params.items():
+        assert (got[n] - p).abs().max().item() < TOL, n
+    for r in results:  # every pipeline rank gets the step's outputs
+        for (logits, hidden), (want_l, want_h) in zip(r["outputs"], want_outputs):
+            assert logits.shape == want_l.shape and hidden.shape == want_h.shape
+            assert (logits - want_l).abs().max().item() < TOL
+            assert (hidden - want_h).abs().max().item() < TOL
+
+
+def test_glue_code_across_stages_interleaved():
+    _check_glue(run_ranks(_glue_train, 3, "interleaved", timeout=180))
+
+
+def test_glue_code_across_stages_simple():
+    _check_glue(run_ranks(_glue_train, 3, "simple", timeout=180))
+
+
+def test_glue_code_across_stages_without_prediction():
+    _check_glue(run_ranks(_glue_train, 3, "interleaved", timeout=180, env={"SMSHIM_PREDICT": "0"}))
+
+
+# ---- a 4-stage chain: who sends what to whom -----------------------------------------------
+
+class LossStage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.block = Block(d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, h, y):
+        return F.cross_entropy(self.out(self.block(h)), y)
+
+
+class Chain(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([Block(d) for _ in range(3)])
+        self.last = LossStage(d)
+
+    def forward(self, x, y):
+        for stage in self.stages:
+            x = stage(x)
+        return self.last(x, y)
+
+
+def _chain(m, batch, steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 4, "microbatches": m, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = Chain()
+    model = smp.DistributedModel(module)
+    for i, stage in enumerate(module.stages):
+        smp.set_partition(stage, i)
+    smp.set_partition(module.last, 3)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    before = None
+    for i in range(steps):
+        if i == steps - 1:  # count the last step only (the first ones learn output shapes)
+            before = dict(model._pipeline.transport.sent_bytes)
+        x, y = torch.randn(batch, D, generator=g), torch.randint(0, 3, (batch,), generator=g)
+        train_step(model, x, y)
+        opt.step()
+        opt.zero_grad()
+    after = model._pipeline.transport.sent_bytes
+    return {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
+
+
+def test_chain_moves_activations_and_gradients_only_between_neighbours():
+    m, batch = 2, 8
+    results = run_ranks(_chain, 4, m, batch, 3, timeout=180)
+    act = (batch // m) * D * 4  # one microbatch's activation (or its gradient), fp32
+    scalar = 4
+    for src, by_kind in enumerate(results):
+        sent = {}
+        for (kind, dst), n in by_kind.items():
+            if kind != "step_end":  # the step's results, which every rank receives
+                sent[dst] = sent.get(dst, 0) + n
+        for dst in range(4):
+            got = sent.get(dst, 0)
+            if abs(src - dst) == 1:
+                # forward k -> k+1 and backward k+1 -> k: each microbatch's tensor, once
+                assert got == m * act, (src, dst, got, by_kind)
+            elif (src, dst) == (0, 3):
+                # the targets, a step input the last stage reads, and the loss's gradient seed
+                assert got == batch * 8 + m * scalar, (src, dst, got, by_kind)
+            elif (src, dst) == (3, 0):
+                assert got == m * scalar, (src, dst, got, by_kind)  # the losses the step returns
+            else:
+                assert got == 0, (src, dst, got, by_kind)
+
+
+# ---- a dead peer is reported, naming it -----------------------------------------------------
+
+DEAD_PEER_SCRIPT = r"""
+import os, sys, time
+import torch, torch.nn.functional as F
+sys.path.insert(0, {root!r})
+import smdistributed.modelparallel.torch as smp
+from tests.pipeline_models import Net, batches, make_train_step
+
+smp.init({{"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+          "default_partition": 0}})
+module = Net()
+model = smp.DistributedModel(module)
+smp.set_partition(module.blocks[3], 1)
+smp.set_partition(module.head, 1)
+train_step = make_train_step("net")
+for i, (x, y) in enumerate(batches("net", 4, 8)):
+    if i == 2 and smp.pp_rank() == 1:
+        module.blocks[3].lin.forward = lambda *a, **k: os._exit(9)  # dies inside its forward
+    t0 = time.monotonic()
+    try:
+        train_step(model, x, y)
+    except Exception as e:
+        print("ERROR after %.1f s: %s" % (time.monotonic() - t0, e), flush=True)
+        os._exit(0)
+print("no error", flush=True)
+"""
+
+
+def test_dead_peer_is_reported_naming_it(tmp_path):
+    script = tmp_path / "dead_peer.py"
+    script.write_text(DEAD_PEER_SCRIPT.format(root=os.path.dirname(os.path.dirname(__file__))))
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   OMP_NUM_THREADS="1", SMSHIM_TIMEOUT="60")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        out0, _ = procs[0].communicate(timeout=120)
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 9
+    line = next((ln for ln in out0.splitlines() if ln.startswith("ERROR after")), None)
+    assert line is not None, out0
+    assert float(line.split()[2]) < 30, line  # within seconds, not at SMSHIM_TIMEOUT
+    assert "pp rank 1" in line and "global rank 1" in line, line
+    assert "microbatch" in line and "step 2" in line, line
+    assert "blocks.3" in line or "head" in line, line
+    assert "forward" in line or "backward" in line, line
