@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 logger = logging.getLogger(__name__)
 
@@ -213,22 +213,20 @@ class GradReducer:
         return self._armed
 
     def mark_outputs(self, outputs: Any) -> Any:
-        """Return `outputs` with the tensors that require grad passed through an identity autograd
-        node whose backward queues the end-of-backward reduction (torch DDP's `_DDPSink`).
+        """Hook the tensors in `outputs` that require grad so that a backward through them queues
+        the end-of-backward reduction even if it reaches no parameter; returns `outputs` as is.
 
         Without it, a rank whose backward reaches no parameter fires no gradient hook, so it would
         never join the round's allreduces and the other ranks would wait until the timeout; with
-        it, that rank reduces zeros flagged as missing and every rank raises the same error."""
+        it, that rank reduces zeros flagged as missing and every rank raises the same error.
+        (A tensor hook rather than torch DDP's identity autograd node: the outputs stay the
+        user's own tensors, free to be modified in place, with no copy.)"""
         if not (self._armed and self._auto_finalize):
             return outputs
-        leaves, spec = tree_flatten(outputs)
-        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return outputs
-        marked = _BackwardStart.apply(self._on_backward_start, *[leaves[k] for k in idx])
-        for k, t in zip(idx, marked):
-            leaves[k] = t
-        return tree_unflatten(leaves, spec)
+        for t in tree_flatten(outputs)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad_hook)
+        return outputs
 
     def finalize(self) -> None:
         """Reduce everything not reduced yet, wait, and leave the averages in `param.grad`.
@@ -341,7 +339,8 @@ class GradReducer:
                 self._launch(b)
                 self._next += 1
 
-    def _on_backward_start(self) -> None:
+    def _output_grad_hook(self, _grad: torch.Tensor) -> None:
+        # A backward reached the module's outputs: make sure the reduction runs at its end.
         if self._armed and self._auto_finalize and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_in_backward)
@@ -491,22 +490,6 @@ class GradReducer:
                 f"{self._round}), parameters received no gradient{where}: {listed}. Make every "
                 f"parameter take part in the loss on every rank, remove the unused ones, or use "
                 f"find_unused_parameters=True")
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the module's outputs; its backward (the first node a backward through them
-    runs) tells the reducer that a backward has started."""
-
-    @staticmethod
-    def forward(ctx: Any, on_start: Callable[[], None], *tensors: torch.Tensor) -> Any:
-        ctx.on_start = on_start
-        ctx.set_materialize_grads(False)
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.on_start()
-        return (None, *grads)
 
 
 def _global_rank() -> int:

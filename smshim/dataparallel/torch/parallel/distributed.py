@@ -80,7 +80,7 @@ class DistributedDataParallel(torch.nn.Module):
                                            [b.detach() for b in self._buffers_to_sync],
                                            _BROADCAST_BUCKET_BYTES, 0)
             self.reducer.prepare_for_backward(sync=sync)
-            # A synced backward through these outputs joins the reduction even if it reaches no
+            # A synced backward through the outputs joins the reduction even if it reaches no
             # parameter on this rank (then every rank raises, instead of the others hanging).
             return self.reducer.mark_outputs(self.module(*inputs, **kwargs))
         return self.module(*inputs, **kwargs)
