@@ -241,6 +241,31 @@ def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
             "step_times_s": step_t}
 
 
+def _traced(p: int, m: int, schedule: str, partition: str) -> int:
+    """Warm-up steps, then the step to draw; returns that step's number."""
+    smp, _, step = _smshim_setup(p, m, schedule, partition)
+    batches = make_batches(3)
+    for x, targets in batches:
+        step(x, targets)
+    smp.reset()
+    return len(batches) - 1
+
+
+def draw_trace(trace_dir: str, p: int, m: int, schedule: str, partition: str, out: str) -> str:
+    sys.path.insert(0, HERE)
+    import plot_timeline
+
+    os.makedirs(trace_dir, exist_ok=True)
+    for old in os.listdir(trace_dir):
+        if old.startswith("trace_rank"):
+            os.remove(os.path.join(trace_dir, old))
+    step = run_ranks(_traced, p, p, m, schedule, partition, timeout=300,
+                     env={"SMSHIM_TRACE": os.path.abspath(trace_dir)})[0]
+    plot_timeline.plot(plot_timeline.load_spans(trace_dir, step), out,
+                       f"smshim {schedule}, MLP as written, pp={p}, m={m}, step {step}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4])
@@ -252,7 +277,14 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=["simple", "interleaved"],
                     choices=["simple", "interleaved"])
     ap.add_argument("--out", default=os.path.join(RESULTS, "pipeline_as_written.json"))
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="only trace one step (pp=2, m=8, interleaved, manual) into DIR and draw "
+                         "results/timeline_as_written.png")
     a = ap.parse_args()
+    if a.trace:
+        print("wrote", draw_trace(a.trace, 2, 8, "interleaved", "manual",
+                                  os.path.join(RESULTS, "timeline_as_written.png")))
+        return
 
     t_start, load = time.perf_counter(), os.getloadavg()
     rows = []

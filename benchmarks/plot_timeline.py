@@ -3,7 +3,7 @@
     python benchmarks/plot_timeline.py DIR -o timeline.png [--step N]
 
 One row per rank; a bar per forward (blue) / backward (orange) span with its microbatch number
-written in it where it fits; waits in light grey behind them. The x axis is milliseconds from the
+written in it where it fits; sends (green) and waits (light grey) behind them. The x axis is milliseconds from the
 first span shown (ranks on one host share a clock, so their rows line up).
 """
 
@@ -17,8 +17,8 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#d9d9d9"}
-DRAWN = ("wait", "forward", "backward")  # drawing order: waits underneath
+COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#d9d9d9", "transfer": "#2ca02c"}
+DRAWN = ("wait", "transfer", "forward", "backward")  # drawing order: waits underneath
 
 
 def load_spans(directory: str, step: Optional[int] = None) -> Dict[int, List[Dict[str, Any]]]:

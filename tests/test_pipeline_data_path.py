@@ -285,3 +285,42 @@ def test_dead_peer_is_reported_naming_it(tmp_path):
     assert "microbatch" in line and "step 2" in line, line
     assert "blocks.3" in line or "head" in line, line
     assert "forward" in line or "backward" in line, line
+
+
+# ---- a handle kept past its step says so ----------------------------------------------------
+
+def _kept_past_step():
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = Chain()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.last, 1)
+    kept = []
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        kept.append(model.module.last.block(x))  # a handle to a value on pp rank 1, kept
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(4, D), torch.randint(0, 3, (4,))
+    returned = train_step(model, x, y).reduce_mean()
+    if smp.pp_rank() != 0:
+        return None
+    try:
+        kept[0].sum()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), float(returned)
+    return "no error"
+
+
+def test_handle_kept_past_its_step_raises_at_once():
+    t0 = time.monotonic()
+    r0 = run_ranks(_kept_past_step, 2, timeout=120)[0]
+    assert time.monotonic() - t0 < 60
+    assert r0[0] == "SMPRuntimeError", r0
+    assert "pp rank 1" in r0[1] and "return it from the step function" in r0[1], r0

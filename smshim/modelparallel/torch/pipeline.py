@@ -92,7 +92,7 @@ class Pipeline:
         self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
-        self.server.begin_step(m, schedule)
+        self.server.begin_step(m, schedule, self.step)
         self.transport.open_session()
         results: List[Any] = [None] * m
         errors: List[Tuple[int, BaseException]] = []
@@ -189,7 +189,8 @@ class Pipeline:
     def serve(self, microbatches: int) -> List[Any]:
         step = self.step
         self.server.begin_step(microbatches, make_schedule(
-            self.pipeline, microbatches, min(self.active_microbatches, microbatches), self.stages))
+            self.pipeline, microbatches, min(self.active_microbatches, microbatches), self.stages),
+            step)
         self.transport.open_session()
         msg = None
         try:

@@ -33,11 +33,12 @@ Key = Tuple[Any, ...]
 
 class _Cell:
     __slots__ = ("owner", "key", "terms", "value", "pushed", "sent_to", "what", "microbatch",
-                 "resolver", "lock", "fetching")
+                 "resolver", "lock", "fetching", "step")
 
     def __init__(self, owner: int, key: Optional[Key], what: str, microbatch: int,
                  resolver: Callable[["_Cell"], torch.Tensor], pushed: bool = False,
-                 terms: Optional[List[Union["_Cell", torch.Tensor]]] = None) -> None:
+                 terms: Optional[List[Union["_Cell", torch.Tensor]]] = None,
+                 step: int = -1) -> None:
         self.owner = owner          # pp rank holding the value (-1 for a lazy sum)
         self.key = key              # the value's key in its owner's ValueStore
         self.terms = terms          # a lazy sum: cells and real tensors to add
@@ -49,6 +50,7 @@ class _Cell:
         self.resolver = resolver
         self.lock = threading.Lock()
         self.fetching = False
+        self.step = step
 
     def resolve(self) -> torch.Tensor:
         if self.value is None:
@@ -100,7 +102,7 @@ class RemoteTensor(torch.Tensor):
             # Autograd accumulating the gradients of a value used twice: keep the sum lazy.
             a, b = args
             cell = _Cell(-1, None, "sum of gradients", _mb(a, b), _resolve_sum,
-                         terms=_terms(a) + _terms(b))
+                         terms=_terms(a) + _terms(b), step=_step(a, b))
             return RemoteTensor(cell, a.shape, a.dtype, a.device)
         written = _written_args(func, args)
 
@@ -132,6 +134,13 @@ def _mb(a: Any, b: Any) -> int:
     for t in (a, b):
         if isinstance(t, RemoteTensor):
             return t._cell.microbatch
+    return -1
+
+
+def _step(a: Any, b: Any) -> int:
+    for t in (a, b):
+        if isinstance(t, RemoteTensor):
+            return t._cell.step
     return -1
 
 

@@ -148,7 +148,7 @@ class ModuleServer:
         self._predictions: Dict[Any, _Prediction] = {}
         self._saved: Dict[Tuple[int, int], tuple] = {}  # (caller, call id) -> (inputs, outputs, mb)
         self.peak_live_microbatches = 0
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"smp-serve-{pp_rank}")
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"smp-serve-{pp_rank}")
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
@@ -174,6 +174,7 @@ class ModuleServer:
         self._backwards_running = 0
         self._tickets = itertools.count()
         self._turn = 0
+        self._step = -1  # the step in progress
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
@@ -213,7 +214,10 @@ class ModuleServer:
                         self._fwd_done.add(msg.microbatch)
                     if self.deterministic:
                         msg.ticket = next(self._tickets)  # backwards run in the order they came
-            self._pool.submit(self._serve, msg)
+            # A request takes a thread only once what it needs is here (its forward, for a
+            # backward, and every value sent by reference), so requests queued far ahead of
+            # their inputs never exhaust the pool.
+            self.store.when_ready(_needs(msg), lambda: self._pool.submit(self._serve, msg))
         elif kind in (SEND_TO, FETCH):
             key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
             value = self.store.want(key, dst)
@@ -364,7 +368,8 @@ class ModuleServer:
         call.out_requires_grad = [rg for _, _, rg in pred.metas]
         return [RemoteTensor(_Cell(call.owner, (self.me, call_id, "out", i),
                                    f"forward output {i} of module '{call.module}'",
-                                   call.microbatch, self._fetch), shape, dtype, self.device)
+                                   call.microbatch, self._fetch, step=call.step),
+                             shape, dtype, self.device)
                 for i, (shape, dtype, _) in enumerate(pred.metas)]
 
     def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
@@ -390,7 +395,7 @@ class ModuleServer:
                 continue
             cell = _Cell(call.owner, (self.me, call.call_id, "igrad", i),
                          f"gradient of input {i} of module '{call.module}'", call.microbatch,
-                         self._fetch, pushed=i in push)
+                         self._fetch, pushed=i in push, step=call.step)
             if sync or call.leaf_in[i]:
                 # autograd would store a handle in a leaf's .grad: give it the value.
                 in_grads.append(cell.resolve())
@@ -442,6 +447,13 @@ class ModuleServer:
 
     def _fetch(self, cell: _Cell) -> torch.Tensor:
         """A handle's data: pushed by its owner, or asked for once."""
+        if cell.step != self._step:
+            from .errors import SMPRuntimeError
+
+            raise SMPRuntimeError(
+                f"the {cell.what} (microbatch {cell.microbatch}, step {cell.step}) stayed on pp rank "
+                f"{cell.owner} and was dropped when its step ended: read it inside the @smp.step "
+                "function, or return it from the step function to get its value")
         key = cell.key
         if cell.owner == self.me:
             return self._get_value(key, self.me, cell.what)
@@ -698,8 +710,9 @@ class ModuleServer:
             self._live.discard(mb)
 
     # Steps ---------------------------------------------------------------------------------
-    def begin_step(self, microbatches: int, schedule: Schedule) -> None:
+    def begin_step(self, microbatches: int, schedule: Schedule, step: int) -> None:
         self.schedule = schedule
+        self._step = step
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
         with self._cond:
@@ -718,6 +731,7 @@ class ModuleServer:
         with self._cond:
             self._saved.clear()
         self.store.clear()
+        self._step = -1  # handles kept past the step now say so instead of waiting
 
     def finish_microbatch(self, mb: int) -> None:
         """pp_rank 0: microbatch `mb` is over; its values can go, here and on the peers."""
@@ -737,6 +751,29 @@ class ModuleServer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _needs(msg: Message) -> List[Any]:
+    """The store keys a FWD_REQ / BWD_REQ waits for."""
+    keys: List[Any] = []
+
+    def refs(enc):
+        if enc is None:
+            return
+        if enc[0] == "r":
+            keys.append(enc[1])
+        elif enc[0] == "s":
+            for term in enc[1]:
+                refs(term)
+
+    if msg.kind == FWD_REQ:
+        for e in msg.meta[1]:
+            refs(e)
+    else:
+        keys.append((msg.src, msg.call_id, "fwd", 0))
+        for e in msg.meta[0]:
+            refs(e)
+    return keys
 
 
 def _expectation(out_template: Any, metas) -> bytes:

@@ -30,14 +30,35 @@ class ValueStore:
         self._cond = threading.Condition()
         self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
         self._wanted: Dict[Key, List[int]] = {}
+        self._waiters: Dict[Key, List[tuple]] = {}
         self._error: Optional[BaseException] = None
 
     def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[int]:
         """Keep `value`; returns the ranks that asked for it before it existed (send it to them)."""
+        ready = []
         with self._cond:
             self._values[key] = (value, microbatch)
             self._cond.notify_all()
-            return self._wanted.pop(key, [])
+            for waiter in self._waiters.pop(key, []):
+                waiter[0].discard(key)
+                if not waiter[0]:
+                    ready.append(waiter[1])
+            wanted = self._wanted.pop(key, [])
+        for fn in ready:
+            fn()
+        return wanted
+
+    def when_ready(self, keys, fn: Callable[[], None]) -> None:
+        """Call `fn` once every key is here (at once if they are): a request waits for its
+        inputs without holding a thread."""
+        with self._cond:
+            missing = {k for k in keys if k not in self._values}
+            if missing:
+                waiter = (missing, fn)
+                for k in missing:
+                    self._waiters.setdefault(k, []).append(waiter)
+                return
+        fn()
 
     def want(self, key: Key, dst: int) -> Optional[torch.Tensor]:
         """The value if it is here (send it now); else remember that `dst` wants it."""
@@ -77,6 +98,7 @@ class ValueStore:
         with self._cond:
             self._values.clear()
             self._wanted.clear()
+            self._waiters.clear()
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
