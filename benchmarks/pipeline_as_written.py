@@ -40,6 +40,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from pipeline_transformer import single_process_step  # noqa: E402
 from smshim.testing import run_ranks  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -165,27 +167,13 @@ def _torch_setup(p: int, m: int, schedule: str, rank: int):
     return step
 
 
-def _single_setup():
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-
-    def step(x, targets) -> float:
-        loss = model(x, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss.detach())
-
-    return step
-
-
 def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int):
     import torch.distributed as dist
 
     smp, model, ours = _smshim_setup(p, m, schedule, partition)  # brings up the default group
     rank = dist.get_rank()
     systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank),
-               "single": _single_setup() if rank == 0 else None}
+               "single": single_process_step(make_model(), LR) if rank == 0 else None}
     times: Dict[str, List[float]] = {k: [] for k in systems}
     losses: Dict[str, List[float]] = {k: [] for k in systems}
     sent_before: Counter = Counter()

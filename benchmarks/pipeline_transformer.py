@@ -224,12 +224,13 @@ def _torch_setup(m: int, schedule: str, rank: int):
     return step
 
 
-def _single_setup():
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+def single_process_step(model: nn.Module, lr: float = LR):
+    """One training step of `model(inputs, targets) -> loss` in this process, with Adam (the
+    single-process reference of the pipeline benchmarks)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
 
-    def step(tokens, targets) -> float:
-        loss = model(tokens, targets)
+    def step(inputs, targets) -> float:
+        loss = model(inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -244,7 +245,7 @@ def _compare(m: int, schedule: str, partition: str, warmup: int, steps: int) -> 
     smp, model, ours = _smshim_setup(m, schedule, partition)  # brings up the default group
     rank = dist.get_rank()
     theirs = _torch_setup(m, schedule, rank)
-    single = _single_setup() if rank == 0 else None
+    single = single_process_step(make_model()) if rank == 0 else None
     systems = {"smshim": ours, "torch": theirs, "single": single}
     data = make_batches(warmup + steps)
     times: Dict[str, List[float]] = {k: [] for k in systems}

@@ -324,3 +324,72 @@ def test_handle_kept_past_its_step_raises_at_once():
     assert time.monotonic() - t0 < 60
     assert r0[0] == "SMPRuntimeError", r0
     assert "pp rank 1" in r0[1] and "return it from the step function" in r0[1], r0
+
+
+# ---- nested calls: a module on rank 1 calls modules on ranks 2 and 0 ------------------------
+
+class Outer(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        self.inner = Block(d)  # on another rank than Outer: a nested call
+        self.back = nn.Linear(d, d)  # on pp rank 0: a call back into the driver
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        h = self.inner(h) + h  # the nested result is read here
+        return self.back(h)
+
+
+class NestedNet(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.outer = Outer(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.outer(torch.relu(self.inp(x))))
+
+
+def _nested(schedule):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": 2, "pipeline": schedule,
+              "active_microbatches": 2, "auto_partition": False, "default_partition": 0})
+    torch.manual_seed(0)
+    module = NestedNet()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.outer, 1)
+    smp.set_partition(module.outer.inner, 2)
+    smp.set_partition(module.outer.back, 0)
+    smp.set_partition(module.head, 2)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in _glue_batches():
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.local_named_parameters()}
+
+
+def test_nested_calls_match_single_process():
+    torch.manual_seed(0)
+    ref = NestedNet()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _glue_batches():
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    got = {}
+    for r in run_ranks(_nested, 3, "interleaved", timeout=180):
+        got.update(r)
+    assert set(got) == {n for n, _ in ref.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert (got[n] - p.detach()).abs().max().item() < TOL, n

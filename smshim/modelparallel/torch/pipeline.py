@@ -101,6 +101,7 @@ class Pipeline:
 
         def body(mb: int) -> None:
             ctx.step, ctx.microbatch, ctx.in_step, ctx.forward_done = step, mb, True, False
+            ctx.driver = True
             state.microbatch = mb
             try:
                 args, kwargs = mb_inputs[mb]

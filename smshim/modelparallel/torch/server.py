@@ -74,6 +74,7 @@ class _Context(threading.local):
     in_step: bool = False
     tracing: bool = False
     forward_done: bool = False  # this microbatch's body reached model.backward
+    driver: bool = False  # a pp_rank 0 worker running the step body (not a served request)
 
 
 ctx = _Context()
@@ -648,7 +649,7 @@ class ModuleServer:
         microbatch's forward (backward) through all its modules before the next one's, as a
         pipeline stage should, instead of interleaving them module by module and so delaying
         every later stage."""
-        if self.me != 0 or not ctx.in_step or done is None:
+        if not ctx.driver:
             return
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
