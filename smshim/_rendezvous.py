@@ -1,15 +1,14 @@
 """The single-node rendezvous of `smshim run`: torch's c10d rendezvous, listening on loopback only.
 
-torch's c10d rendezvous (what `torchrun --standalone` uses) re-forms the worker group after a
-restart (`--max-restarts`), which the static one does not reliably do. It hosts two TCPStores in
-the launcher: the rendezvous state and the store the workers share (their default group's and
-smp's messages). torch binds both to every interface; on one node nothing outside needs to reach
-them, and smp's messages are pickled, so here both listen on 127.0.0.1 only: the sockets are bound
-here and handed to TCPStore (`master_listen_fd`). And torch keeps the workers' shared store
-across restarts, so a restarted group reads the dead attempt's keys (gloo's connectFullMesh then
-dials addresses nobody listens on): here it is new for every round. Everything else is torch's
-DynamicRendezvousHandler and C10dRendezvousBackend, registered as rendezvous backend
-`smshim-local`.
+torch's c10d rendezvous (what `torchrun --standalone` uses, and what torchrun recommends with
+`--max-restarts`) hosts two TCPStores in the launcher: the rendezvous state and the store the
+workers share (their default group's and smp's messages). torch binds both to every interface; on
+one node nothing outside needs to reach them, and smp's messages are pickled, so here both listen
+on 127.0.0.1 only: the sockets are bound here and handed to TCPStore (`master_listen_fd`). And
+torch keeps the workers' shared store across restarts, so a restarted group could read the dead
+attempt's keys (gloo's connectFullMesh then dials addresses nobody listens on): here it is new for
+every round. Everything else is torch's DynamicRendezvousHandler and C10dRendezvousBackend,
+registered as rendezvous backend `smshim-local`.
 """
 
 from __future__ import annotations

@@ -146,9 +146,11 @@ def prepare(a: argparse.Namespace) -> tuple:
         addr = a.master_addr
         port = a.master_port or 29500
         if a.max_restarts > 0:
-            # Only the c10d rendezvous re-forms gloo groups after a restart (the static one's new
-            # attempt can dial the old attempt's addresses). Node ranks then come from the
-            # rendezvous; node 0 (--node-rank 0) hosts its store.
+            # torchrun's recommendation for restarts: the c10d rendezvous (measured with torch
+            # 2.13: the static one's new attempt dialed the old attempt's gloo addresses). The
+            # store it shares with the workers outlives a restart; smshim's runtime prefixes its
+            # keys by attempt (see _runtime.init_distributed). Node ranks then come from the
+            # rendezvous; the node started with --node-rank 0 hosts its store.
             rdzv = dict(rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
                         rdzv_configs={"is_host": a.node_rank == 0})
         else:

@@ -114,3 +114,30 @@ def test_hyperparameter_args_follow_the_toolkit():
     # Sorted by name; one-letter names get a single dash; non-strings as str(); dicts as k=v,...
     assert hyperparameter_args(hps) == ["--aa", "x", "--bb", "True", "-c", "2",
                                         "--mp_parameters", "partitions=2"]
+
+
+def _config(argv, monkeypatch):
+    from smshim import cli
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() exports the job's variables
+    return cli.prepare(cli._parser().parse_args(["run", *argv, DUMP]))[0]
+
+
+def test_max_restarts_reaches_the_elastic_agent(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    one = _config(["-n", "2", "--max-restarts", "3"], monkeypatch)
+    assert one.max_restarts == 3
+    assert one.rdzv_backend == "smshim-local" and one.rdzv_endpoint.startswith("127.0.0.1:")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    assert _config(["-n", "2"], monkeypatch).max_restarts == 0
+    # Several nodes: the c10d rendezvous when restarting (node 0 hosts it), else static.
+    multi = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29400"]
+    c10d = _config([*multi, "--node-rank", "1", "--max-restarts", "1"], monkeypatch)
+    assert (c10d.rdzv_backend, c10d.rdzv_endpoint, c10d.rdzv_configs["is_host"]) == (
+        "c10d", "10.0.0.1:29400", False)
+    assert _config([*multi, "--node-rank", "1"], monkeypatch).rdzv_backend == "static"
+
+
+def test_negative_max_restarts_is_an_error(tmp_path):
+    r = _launch(tmp_path, "-n", "2", "--max-restarts", "-1", DUMP, check=False)
+    assert r.returncode == 2 and "--max-restarts must be >= 0" in r.stderr
