@@ -78,6 +78,13 @@ def test_mnist_smddp_legacy_api(tmp_path):
     assert len(acc) == 4 and acc[-1] > 50.0, out
     assert out.count("epoch 3:") == 1, out  # rank 0 only
     assert (tmp_path / "job" / "model" / "model.pt").exists()
+    assert (tmp_path / "job" / "checkpoints" / "checkpoint.pt").exists()
+    # Started again with more epochs (as after a restart), it continues after epoch 3.
+    more = _run(tmp_path, "-n", "2", "--distribution",
+                '{"smdistributed": {"dataparallel": {"enabled": true}}}',
+                "--output-dir", str(tmp_path / "job"), os.path.join(EXAMPLES, "mnist_smddp.py"),
+                "--epochs", "4")
+    assert "after epoch 3" in more and "epoch 3:" not in more and "epoch 4:" in more, more
 
 
 def test_train_dp(tmp_path):
