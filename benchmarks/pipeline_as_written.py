@@ -175,16 +175,18 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank),
                "single": single_process_step(make_model(), LR) if rank == 0 else None}
     times: Dict[str, List[float]] = {k: [] for k in systems}
+    cpu: Dict[str, List[float]] = {k: [] for k in systems}
     losses: Dict[str, List[float]] = {k: [] for k in systems}
     sent_before: Counter = Counter()
     for i, (x, targets) in enumerate(make_batches(warmup + steps)):
         order = list(systems)[i % 3:] + list(systems)[:i % 3]
         for name in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn = systems[name]
             loss = fn(x, targets) if fn is not None else math.nan
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             losses[name].append(loss)
         if i == warmup - 1:
             sent_before = Counter(model._pipeline.transport.sent_messages)
@@ -195,7 +197,8 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
                     for n, _ in model.local_named_parameters()})
     peak = model._pipeline.server.peak_live_microbatches
     smp.reset()
-    return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()}, "losses": losses,
+    return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()},
+            "cpu": {k: v[warmup:] for k, v in cpu.items()}, "losses": losses,
             "sent_per_step": per_step, "owned": owned, "peak_live": peak}
 
 
@@ -203,6 +206,10 @@ def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
     n = len(results[0]["times"]["smshim"])
     step_t = {k: [max(r["times"][k][i] for r in results) for i in range(n)]
               for k in ("smshim", "torch", "single")}
+    # CPU time of all processes (all threads): the work each system does per step, which other
+    # load on a shared machine inflates far less than it inflates wall time.
+    step_cpu = {k: [sum(r["cpu"][k][i] for r in results) for i in range(n)]
+                for k in ("smshim", "torch", "single")}
     ours, single = results[0]["losses"]["smshim"], results[0]["losses"]["single"]
     theirs = results[p - 1]["losses"]["torch"]
     for name, got in (("smshim", ours), ("torch.distributed.pipelining", theirs)):
@@ -223,6 +230,9 @@ def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
             "smshim_vs_single": ratio("smshim", "single"),
             "torch_vs_single": ratio("torch", "single"),
             "ideal_vs_single": (m + p - 1) / (p * m),
+            "cpu_s": {k: statistics.median(v) for k, v in step_cpu.items()},
+            "cpu_smshim_vs_torch": statistics.median(
+                a / b for a, b in zip(step_cpu["smshim"], step_cpu["torch"])),
             "owned_by_rank": [r["owned"] for r in results],
             "peak_live_by_rank": [r["peak_live"] for r in results],
             "sent_per_step_by_rank": [r["sent_per_step"] for r in results],
@@ -295,12 +305,13 @@ def main() -> None:
           f"load avg at start {load[0]:.2f}")
     print(f"{'p':>2} {'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
           f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12} "
-          f"{'ideal':>6}  peak live mb per rank")
+          f"{'ideal':>6} {'cpu ours/torch':>14}  peak live mb per rank")
     for r in rows:
         print(f"{r['p']:>2} {r['m']:>3} {r['partition']:<9} {r['schedule']:<12} "
               f"{1e3 * r['smshim_s']:9.1f} {1e3 * r['torch_s']:9.1f} {1e3 * r['single_s']:9.1f} "
               f"{r['smshim_vs_torch']:10.3f} {r['smshim_vs_single']:11.3f} "
-              f"{r['torch_vs_single']:12.3f} {r['ideal_vs_single']:6.3f}  {r['peak_live_by_rank']}")
+              f"{r['torch_vs_single']:12.3f} {r['ideal_vs_single']:6.3f} "
+              f"{r['cpu_smshim_vs_torch']:14.3f}  {r['peak_live_by_rank']}")
     for r in rows:
         if r["partition"] == "auto":
             print(f"auto partition (p={r['p']}): " + "; ".join(

@@ -22,6 +22,7 @@ import contextlib
 import heapq
 import itertools
 import threading
+import time
 from typing import Dict, Iterator, Optional, Tuple
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -100,7 +101,16 @@ def make_schedule(name: str, microbatches: int, active_microbatches: int,
 
 
 class ComputeLock:
-    """A lock handed to the waiting thread with the smallest priority (FIFO among equals)."""
+    """A lock handed to the waiting thread with the smallest priority (FIFO among equals).
+
+    A piece of work that releases the lock may reserve it for `GRACE_S` for more work of the same
+    microbatch and direction: a stage's forward (or backward) of one microbatch is several module
+    calls, each taking the lock in turn, and between two of them the next one is not yet waiting
+    (its thread is running glue code, or waiting for the input the previous call just produced).
+    Without the reservation, other work slips into each gap and the microbatch reaches the next
+    stage late, idling it; 1F1B means one microbatch's whole forward, then one whole backward."""
+
+    GRACE_S = 0.002
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -108,37 +118,60 @@ class ComputeLock:
         self._waiters: list = []
         self._seq = itertools.count()
         self._local = threading.local()
+        self._reserved: Optional[tuple] = None
+        self._reserved_until = 0.0
 
-    def acquire(self, priority: Tuple[int, int]) -> None:
+    def _next(self):
+        """(under the condition) The waiter that may take the lock now, and how long to wait
+        for the reservation to expire otherwise."""
+        if self._reserved is not None:
+            left = self._reserved_until - time.monotonic()
+            if left > 0:
+                mine = [e for e in self._waiters if e[3] == self._reserved]
+                return (min(mine) if mine else None), left
+            self._reserved = None
+        return (self._waiters[0] if self._waiters else None), None
+
+    def acquire(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> None:
         me = threading.get_ident()
         with self._cond:
-            entry = (priority, next(self._seq), me)
+            entry = (priority, next(self._seq), me, key)
             heapq.heappush(self._waiters, entry)
-            while self._held_by is not None or self._waiters[0] is not entry:
-                self._cond.wait()
-            heapq.heappop(self._waiters)
+            while True:
+                nxt, left = self._next()
+                if self._held_by is None and nxt is entry:
+                    break
+                self._cond.wait(timeout=left if self._held_by is None else None)
+            self._waiters.remove(entry)
+            heapq.heapify(self._waiters)
             self._held_by = me
+            self._reserved = None
         self._local.priority = priority
+        self._local.key = key
 
-    def release(self) -> None:
+    def release(self, reserve: bool = False) -> None:
         with self._cond:
             self._held_by = None
+            key = getattr(self._local, "key", None)
+            if reserve and key is not None:
+                self._reserved, self._reserved_until = key, time.monotonic() + self.GRACE_S
             self._cond.notify_all()
 
     def held(self) -> bool:
         return self._held_by == threading.get_ident()
 
     @contextlib.contextmanager
-    def hold(self, priority: Tuple[int, int]) -> Iterator[None]:
-        """Hold the lock for a piece of compute (re-entrant: a holder keeps it)."""
+    def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> Iterator[None]:
+        """Hold the lock for a piece of compute (re-entrant: a holder keeps it); on release,
+        reserve it briefly for more work under the same `key` (microbatch, direction)."""
         if self.held():
             yield
             return
-        self.acquire(priority)
+        self.acquire(priority, key)
         try:
             yield
         finally:
-            self.release()
+            self.release(reserve=True)
 
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:
@@ -147,9 +180,9 @@ class ComputeLock:
         if not self.held():
             yield
             return
-        priority = self._local.priority
+        priority, key = self._local.priority, self._local.key
         self.release()
         try:
             yield
         finally:
-            self.acquire(priority)
+            self.acquire(priority, key)

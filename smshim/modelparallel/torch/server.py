@@ -489,6 +489,9 @@ class ModuleServer:
     # Owner side ----------------------------------------------------------------------------
     def _serve(self, msg: Message) -> None:
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
+        if self.timeline.enabled:  # when a request got its thread (its inputs were all here)
+            self.timeline.instant(f"serve {msg.kind} {msg.module}", "serve",
+                                  microbatch=msg.microbatch, step=msg.step)
         from .state import state
 
         state.microbatch = msg.microbatch
@@ -587,7 +590,7 @@ class ModuleServer:
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
-        with self.lock.hold(self._priority(FORWARD, mb)), \
+        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb)), \
                 self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                    caller=caller), \
                 torch.set_grad_enabled(grad_enabled):
@@ -621,7 +624,7 @@ class ModuleServer:
             inputs, outs, _ = saved
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             if pairs:
-                with self.lock.hold(self._priority(BACKWARD, mb)), \
+                with self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb)), \
                         self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
                                            caller=caller):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -255,7 +255,13 @@ class Transport:
             try:
                 closed = False
                 while not closed:
-                    for msg in self._recv_frame(src):
+                    frame = self._recv_frame(src)
+                    if self.timeline is not None and self.timeline.enabled:
+                        self.timeline.instant(
+                            f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
+                            "transfer", peer=peer, microbatch=frame[0].microbatch,
+                            step=frame[0].step)
+                    for msg in frame:
                         msg.src = peer
                         if msg.kind == CLOSE:
                             self._closed_peers.put(peer)
