@@ -23,7 +23,7 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -161,9 +161,11 @@ class ComputeLock:
         return self._held_by == threading.get_ident()
 
     @contextlib.contextmanager
-    def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> Iterator[None]:
+    def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None,
+             more: Optional[Callable[[], bool]] = None) -> Iterator[None]:
         """Hold the lock for a piece of compute (re-entrant: a holder keeps it); on release,
-        reserve it briefly for more work under the same `key` (microbatch, direction)."""
+        reserve it briefly for more work under the same `key` (microbatch, direction) if
+        `more()` says more is coming."""
         if self.held():
             yield
             return
@@ -171,7 +173,7 @@ class ComputeLock:
         try:
             yield
         finally:
-            self.release(reserve=True)
+            self.release(reserve=more is not None and more())
 
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:

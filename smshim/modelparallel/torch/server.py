@@ -176,6 +176,8 @@ class ModuleServer:
         self._tickets = itertools.count()
         self._turn = 0
         self._step = -1  # the step in progress
+        self._regions_done: collections.Counter = collections.Counter()
+        self._regions_per_mb = {FORWARD: 0, BACKWARD: 0}
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
@@ -590,7 +592,8 @@ class ModuleServer:
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
-        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb)), \
+        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
+                            lambda: self._more_regions(FORWARD, mb)), \
                 self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                    caller=caller), \
                 torch.set_grad_enabled(grad_enabled):
@@ -624,7 +627,8 @@ class ModuleServer:
             inputs, outs, _ = saved
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             if pairs:
-                with self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb)), \
+                with self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
+                                    lambda: self._more_regions(BACKWARD, mb)), \
                         self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
                                            caller=caller):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -641,6 +645,16 @@ class ModuleServer:
         if done and self.on_local_backward_done is not None:
             self.on_local_backward_done()
         return in_grads
+
+    def _more_regions(self, kind: str, mb: int) -> bool:
+        """Count a module run here for microbatch `mb` in direction `kind`; does this rank
+        expect more for it? (As many as the microbatch that needed the most, learned as the
+        steps go: a stage's share of a microbatch's calls is the same every time.)"""
+        with self._cond:
+            self._regions_done[(kind, mb)] += 1
+            n = self._regions_done[(kind, mb)]
+            self._regions_per_mb[kind] = max(self._regions_per_mb[kind], n)
+            return n < self._regions_per_mb[kind]
 
     def _priority(self, kind: str, mb: int):
         return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
@@ -723,7 +737,7 @@ class ModuleServer:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
                       self._fwd_turns, self._bwd_turns):
                 s.clear()
-            for c in (self._requests, self._forwards, self._graphs):
+            for c in (self._requests, self._forwards, self._graphs, self._regions_done):
                 c.clear()
             self._turn = 0
             self._tickets = itertools.count()
