@@ -27,6 +27,7 @@ import logging
 import pickle
 import queue
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -133,8 +134,10 @@ class Transport:
             # From a daemon thread: a peer that stopped receiving must not block the raise here.
             notice = Message(ERROR, meta=f"pp rank {self.me} (global rank {self.ranks[self.me]}) "
                                          f"failed: {exc}")
-            threading.Thread(target=self._tell_peers, args=(notice,), daemon=True,
-                             name=f"smp-error-{self.me}").start()
+            t = threading.Thread(target=self._tell_peers, args=(notice,), daemon=True,
+                                 name=f"smp-error-{self.me}")
+            t.start()
+            self._threads.append(t)
 
     def _tell_peers(self, notice: Message) -> None:
         for peer in self.peers:
@@ -222,6 +225,7 @@ class Transport:
             for _, done in batch:
                 if done is not None:
                     done.set()
+            del batch, msgs  # hold no tensors while idle (nor when the thread ends at exit)
 
     def _send_frame(self, dst: int, msgs: List[Message]) -> None:
         # One frame: [header length][body length][pickled headers][tensor bytes]. The receiver
@@ -253,29 +257,32 @@ class Transport:
             if self._shutdown:
                 return
             try:
-                closed = False
-                while not closed:
-                    frame = self._recv_frame(src)
-                    if self.timeline is not None and self.timeline.enabled:
-                        self.timeline.instant(
-                            f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
-                            "transfer", peer=peer, microbatch=frame[0].microbatch,
-                            step=frame[0].step)
-                    for msg in frame:
-                        msg.src = peer
-                        if msg.kind == CLOSE:
-                            self._closed_peers.put(peer)
-                            closed = True  # CLOSE is the last message of a peer's step
-                            break
-                        if msg.kind == ERROR:
-                            self.fail(PipelineError(str(msg.meta)), tell_peers=True)
-                            return
-                        self._dispatch(msg)
+                if not self._recv_session(peer, src):
+                    return
             except Exception as e:  # noqa: BLE001
                 if not self._shutdown:
                     self.fail(PipelineError(f"pp rank {self.me} lost pp rank {peer} (global rank "
                                             f"{src}) while receiving: {e}"), tell_peers=True)
                 return
+
+    def _recv_session(self, peer: int, src: int) -> bool:
+        """Receive and dispatch `peer`'s messages until its CLOSE (True) or ERROR (False). A
+        function of its own so that no received tensor stays referenced between sessions."""
+        while True:
+            frame = self._recv_frame(src)
+            if self.timeline is not None and self.timeline.enabled:
+                self.timeline.instant(
+                    f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
+                    "transfer", peer=peer, microbatch=frame[0].microbatch, step=frame[0].step)
+            for msg in frame:
+                msg.src = peer
+                if msg.kind == CLOSE:
+                    self._closed_peers.put(peer)
+                    return True  # CLOSE is the last message of a peer's step
+                if msg.kind == ERROR:
+                    self.fail(PipelineError(str(msg.meta)), tell_peers=True)
+                    return False
+                self._dispatch(msg)
 
     def _recv_frame(self, src: int) -> List[Message]:
         frame = self._frames.setdefault(src, torch.empty(FRAME_BYTES, dtype=torch.uint8))
@@ -299,13 +306,23 @@ class Transport:
             msg.tensors = tensors
         return msgs
 
-    def shutdown(self) -> None:
+    def shutdown(self, join_timeout_s: float = 5.0) -> None:
+        """Stop the sender and receiver threads and wait for them (bounded). They are daemon
+        threads: one still running when the interpreter finalizes (e.g. freeing the tensors of
+        its last frame) is killed by pthread_exit while inside torch's C++ code, which aborts
+        the process ("terminate called without an active exception") after the script is done."""
         self._shutdown = True
         for sem in self._session_starts.values():
             sem.release()
         for box in self._outbox.values():
             with box.cond:
                 box.cond.notify_all()
+        deadline = time.monotonic() + join_timeout_s
+        for t in self._threads:
+            if t is not threading.current_thread():
+                # A receiver inside a gloo receive (a step abandoned midway) cannot be woken;
+                # it is left to the process group's destruction.
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class _Outbox:
