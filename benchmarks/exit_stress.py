@@ -11,8 +11,10 @@ Scenarios:
   smp     a pp=2 smp job (auto-initialised from SM_HP_MP_PARAMETERS, a few pipeline steps)
 
     python benchmarks/exit_stress.py [--runs 50] [--scenarios legacy,smddp,smp]
+        [--python PY]   # run under another environment's mpirun and interpreter, e.g. an Open MPI
+                        # side environment (tests/test_mpi_flavours.py shows how to make one)
 
-Results land in benchmarks/results/exit_stress.json.
+Results land in benchmarks/results/exit_stress[_<flavour>].json (flavour: mpich or openmpi).
 """
 
 from __future__ import annotations
@@ -93,14 +95,24 @@ def worker_smp() -> None:
     print(f"rank {smp.rank()} done loss {out.reduce_mean().item():.4f}", flush=True)
 
 
-def _launch(scenario: str, timeout: float) -> dict:
+def _mpi_flavour(python: str) -> str:
+    out = subprocess.run([python, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+                         capture_output=True, text=True, timeout=120).stdout
+    return "openmpi" if "Open MPI" in out else "mpich" if "MPICH" in out else "unknown"
+
+
+def _launch(scenario: str, timeout: float, python: str, flavour: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", SMSHIM_TIMEOUT="60")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     if scenario == "smp":
         env["SM_HP_MP_PARAMETERS"] = json.dumps({"partitions": 2, "microbatches": 2})
         env.pop("SMP_MANUAL_INIT", None)
-    cmd = ["mpirun", "-n", "2", sys.executable, os.path.abspath(__file__), "--worker", scenario]
+    mpirun = os.path.join(os.path.dirname(python), "mpirun")
+    extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) \
+        if flavour == "openmpi" else []
+    cmd = [mpirun if os.path.exists(mpirun) else "mpirun", *extra, "-n", "2", python,
+           os.path.abspath(__file__), "--worker", scenario]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
@@ -120,16 +132,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter whose environment's mpirun (same bin directory) is used")
     ap.add_argument("--worker", choices=SCENARIOS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         {"legacy": worker_legacy, "smddp": worker_smddp, "smp": worker_smp}[a.worker]()
         return
+    flavour = _mpi_flavour(a.python)
     results = {}
     for scenario in a.scenarios.split(","):
         runs = []
         for i in range(a.runs):
-            r = _launch(scenario, a.timeout)
+            r = _launch(scenario, a.timeout, a.python, flavour)
             runs.append(r)
             if r["rc"] != 0:
                 print(f"{scenario} run {i}: rc={r['rc']} aborted={r['aborted']} "
@@ -144,8 +159,9 @@ def main() -> None:
               f"median {results[scenario]['median_s']:.1f} s per run", flush=True)
     out_dir = os.path.join(ROOT, "benchmarks", "results")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "exit_stress.json"), "w") as fh:
-        json.dump({"mpirun": "mpich (pip)", "results": results}, fh, indent=2)
+    name = "exit_stress.json" if flavour == "mpich" else f"exit_stress_{flavour}.json"
+    with open(os.path.join(out_dir, name), "w") as fh:
+        json.dump({"mpirun": f"{flavour} (pip)", "results": results}, fh, indent=2)
 
 
 if __name__ == "__main__":
