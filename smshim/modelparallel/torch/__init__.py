@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from smshim import _runtime
 from smshim.modelparallel import __version__  # noqa: F401  (smp.__version__ as in SageMaker)
-from smshim.modelparallel.torch import amp, nn  # noqa: F401  (smp.amp, smp.nn)
+from smshim.modelparallel.torch import amp, mixed_precision, nn  # noqa: F401  (smp.amp, smp.nn)
 from smshim.modelparallel.torch.comm import (
     CommGroup,
     RankType,
@@ -330,14 +330,11 @@ def delay_param_initialization(enabled: bool = True) -> ContextManager[None]:
 
 def model_creation(tensor_parallelism: bool = False, dtype: Optional[torch.dtype] = None,
                    **tensor_parallel_config: Any) -> ContextManager[None]:
-    """Context around model construction. Without tensor parallelism and with dtype None or
-    float32 it changes nothing (the tensor-parallel options only configure tensor parallelism)."""
+    """Context around model construction: modules created inside get floating-point parameters
+    of `dtype` (None: unchanged). The tensor-parallel options only configure tensor parallelism."""
     if tensor_parallelism:
         raise _unsupported("smp.model_creation(tensor_parallelism=True)", "tensor parallelism")
-    if dtype is not None and dtype != torch.float32:
-        raise _unsupported(f"smp.model_creation(dtype={dtype})",
-                           "creating the model in reduced precision (fp16/bf16)")
-    return contextlib.nullcontext()
+    return mixed_precision.creation_dtype(dtype)
 
 
 def tensor_parallelism(enabled: bool = True, **tensor_parallel_config: Any) -> ContextManager[None]:

@@ -21,6 +21,7 @@ from smshim import _runtime
 
 from . import partitioner
 from .comm import CommGroup
+from .mixed_precision import cast_model, config_dtype
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
                      MultipleDistributedModelError, SMPRuntimeError)
 from .pipeline import Pipeline
@@ -62,6 +63,8 @@ class DistributedModel(nn.Module):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         super().__init__()
+        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py).
+        cast_model(module, config_dtype(state.cfg))
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -192,6 +195,11 @@ class DistributedModel(nn.Module):
             grad_tensors = [grad_tensors]
         grads = []
         scale = 1.0 / self._num_mb if self.average_grads_across_microbatches else 1.0
+        # fp16/bf16: the loss is scaled here (smp scripts call model.backward(loss), never
+        # scaler.scale(loss)); the optimizer unscales before its step.
+        scaler = getattr(state.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            scale *= scaler.scale
         for t, g in zip(tensors, grad_tensors):
             if g is None:
                 if t.numel() != 1:
