@@ -89,18 +89,27 @@ def _job(cfg, steps, batch, save_dir=None, load_dir=None, dtype_name=None, ckpt=
         smp.save(opt.local_state_dict(gather_if_shard=False), f"{save_dir}/optimizer",
                  partial=True, v3=True)
         smp.barrier()
-    weights = {}
+    weights, lowp = {}, {}
     for n, p in model.local_named_parameters():
-        w = opt._masters.weight(p) if p.dtype == torch.bfloat16 else p
-        weights[n] = w.detach().clone()
-    return {"weights": weights, "pp_rank": smp.pp_rank(), "dp_rank": dp_rank,
-            "own_state": own_state, "local_params": len(weights),
+        if p.dtype == torch.bfloat16:
+            lowp[n] = p.detach().clone()
+            if not opt._shard.owns(p):
+                continue  # its fp32 master lives on the replica that steps it
+            weights[n] = opt._masters.weight(p).detach().clone()
+            assert torch.equal(lowp[n], weights[n].to(torch.bfloat16)), n
+        else:
+            weights[n] = p.detach().clone()
+    return {"weights": weights, "lowp": lowp, "pp_rank": smp.pp_rank(), "dp_rank": dp_rank,
+            "own_state": own_state, "local_params": len(list(model.local_parameters())),
             "gathered_state": len(gathered["state"]), "full": full if smp.rank() == 0 else None}
 
 
 def _check(results, ref, tol):
-    merged = {}
+    merged, lowp = {}, {}
     for r in results:
+        for n, p in r["lowp"].items():  # replicas' bf16 weights are identical
+            assert n not in lowp or torch.equal(lowp[n], p), n
+            lowp[n] = p
         for n, w in r["weights"].items():
             if n in merged:  # replicas stay identical
                 assert (merged[n] - w).abs().max().item() == 0, n

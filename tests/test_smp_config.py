@@ -191,7 +191,6 @@ def test_adv_entry_points():
         (lambda: smp.delay_param_initialization(), "smp.delay_param_initialization"),
         (lambda: smp.model_creation(tensor_parallelism=True), "smp.model_creation"),
         (lambda: smp.set_tensor_parallelism(layer), "smp.set_tensor_parallelism"),
-        (lambda: smp.set_activation_checkpointing(layer), "smp.set_activation_checkpointing"),
         (lambda: smp.nn.DistributedTransformerLMHead(num_layers=2), "DistributedTransformerLMHead"),
         (lambda: smp.nn.DistributedLinear(2, 2), "DistributedLinear"),
         (lambda: smp.nn.DistributedEmbedding(10, 2), "DistributedEmbedding"),

@@ -352,14 +352,6 @@ def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True,
                            "tensor parallelism")
 
 
-def set_activation_checkpointing(module: torch.nn.Module, preserve_rng_state: bool = True,
-                                 pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
-    """Activation checkpointing of a module inside the pipeline: not supported."""
-    raise _unsupported(f"smp.set_activation_checkpointing({type(module).__name__})",
-                       "activation checkpointing inside the smp pipeline (use "
-                       "torch.utils.checkpoint in the module's forward instead)")
-
-
 # ==================================================================================================
 # The pipeline engine.
 # ==================================================================================================
@@ -374,6 +366,13 @@ from smshim.modelparallel.torch.checkpoint import (  # noqa: E402
     resume_from_checkpoint,
     save,
     save_checkpoint,
+)
+# After the checkpoint.py import above: `smp.checkpoint` is the activation-checkpointing function,
+# as in SageMaker (the submodule stays importable as smshim.modelparallel.torch.checkpoint).
+from smshim.modelparallel.torch.activation_checkpointing import (  # noqa: E402
+    checkpoint,
+    checkpoint_sequential,
+    set_activation_checkpointing,
 )
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from smshim import _runtime
 
-from . import partitioner
+from . import activation_checkpointing, partitioner
 from .comm import CommGroup
 from .mixed_precision import cast_model, config_dtype
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
@@ -221,6 +221,9 @@ class DistributedModel(nn.Module):
         self.__dict__["_num_mb"] = len(mb_inputs)
         if not self.partitioned:
             self._partition(fn, mb_inputs)
+        elif self._pipeline is None and not getattr(self, "_ckpt_applied", False):
+            # pp = 1 is partitioned at construction; marks made until the first step count.
+            activation_checkpointing.apply_marks(self)
         try:
             if self._pipeline is None:
                 results = self._run_local(fn, mb_inputs)
@@ -322,10 +325,13 @@ class DistributedModel(nn.Module):
                     b.data = torch.empty(0, dtype=b.dtype, device=b.device)
         logger.info("pp rank %d keeps %d parameters, freed %d", self._pp_rank,
                     sum(p.numel() for p in self.local_parameters()), freed)
+        # Before the pipeline's server captures the forwards it serves (activation_checkpointing).
+        activation_checkpointing.apply_marks(self)
         self._pipeline = Pipeline(
             self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
             _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
+        activation_checkpointing.serve_functions(self, self._pipeline.server)
         self._setup_data_parallel()
         for fn in list(self._post_partition_hooks):
             fn(self, state.optimizer)
