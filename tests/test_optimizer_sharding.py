@@ -69,9 +69,12 @@ def _job(cfg, steps, batch, save_dir=None, load_dir=None, dtype_name=None, ckpt=
 
     data = batches("net", steps, batch)
     if load_dir is not None:
-        # As Hugging Face's Trainer resumes: each rank reads its pp rank's files.
-        model.load_state_dict(smp.load(f"{load_dir}/model", partial=True))
-        opt.load_state_dict(smp.load(f"{load_dir}/optimizer", partial=True))
+        if load_dir.endswith("@checkpoint"):  # smp.save_checkpoint's layout
+            smp.resume_from_checkpoint(load_dir[:-len("@checkpoint")], partial=True)
+        else:
+            # As Hugging Face's Trainer resumes: each rank reads its pp rank's files.
+            model.load_state_dict(smp.load(f"{load_dir}/model", partial=True))
+            opt.load_state_dict(smp.load(f"{load_dir}/optimizer", partial=True))
         data = data[3:]
     for x, y in data:
         k = batch // dp
@@ -88,6 +91,8 @@ def _job(cfg, steps, batch, save_dir=None, load_dir=None, dtype_name=None, ckpt=
             smp.save(model.local_state_dict(), f"{save_dir}/model", partial=True)
         smp.save(opt.local_state_dict(gather_if_shard=False), f"{save_dir}/optimizer",
                  partial=True, v3=True)
+        # And smp's own checkpoint (the sharded state is gathered over the replicas).
+        smp.save_checkpoint(f"{save_dir}/ckpt", "step3", model=model, optimizer=opt)
         smp.barrier()
     weights, lowp = {}, {}
     for n, p in model.local_named_parameters():
@@ -166,12 +171,16 @@ def test_sharded_checkpoint_saved_at_dp2_loads_at_dp1(tmp_path):
             "shard_optimizer_state": True}
     run_ranks(_job, 4, cfg2, 3, 16, str(tmp_path), timeout=150)
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["model_0_0", "model_1_0", "optimizer_0_0_0", "optimizer_0_0_1",
+    assert files == ["ckpt", "model_0_0", "model_1_0", "optimizer_0_0_0", "optimizer_0_0_1",
                      "optimizer_1_0_0", "optimizer_1_0_1"], files
     # dp=1: the two shards of each stage are merged on load; one more step on the full batch.
     cfg1 = {"pipeline_parallel_degree": 2, "microbatches": 4}
     results = run_ranks(_job, 2, cfg1, 4, 16, None, str(tmp_path), timeout=150)
     ref, ref_opt = _reference(4)
+    _check(results, ref, TOL)
+    _assert_state_close(results[0]["full"], ref_opt, TOL)
+    # The same through smp.save_checkpoint / smp.resume_from_checkpoint.
+    results = run_ranks(_job, 2, cfg1, 4, 16, None, f"{tmp_path}/ckpt@checkpoint", timeout=150)
     _check(results, ref, TOL)
     _assert_state_close(results[0]["full"], ref_opt, TOL)
     # And it can fail: without the saved optimizer state the continued run ends elsewhere.
