@@ -151,10 +151,11 @@ def main() -> int:
     print(f"GPT d={a.d_model} layers={a.layers} context={a.context} batch={a.batch} "
           f"microbatches={a.microbatches}, pp=2, {a.rounds} round(s) x {a.steps} steps")
     for r in (0, 1):
-        print(f"  pp rank {r}: peak RSS added by the steps {off['per_rank'][r]['added_peak_mb']:.1f}"
-              f" MB -> {on['per_rank'][r]['added_peak_mb']:.1f} MB with checkpointing "
+        before, after = off["per_rank"][r], on["per_rank"][r]
+        print(f"  pp rank {r}: peak RSS added by the steps {before['added_peak_mb']:.1f} MB -> "
+              f"{after['added_peak_mb']:.1f} MB with checkpointing "
               f"(x{result['added_peak_ratio'][r]:.2f}); process peak RSS "
-              f"{off['per_rank'][r]['peak_rss_mb']:.0f} -> {on['per_rank'][r]['peak_rss_mb']:.0f} MB")
+              f"{before['peak_rss_mb']:.0f} -> {after['peak_rss_mb']:.0f} MB")
     print(f"  step time {off['step_s'] * 1e3:.0f} ms -> {on['step_s'] * 1e3:.0f} ms "
           f"(x{result['step_time_ratio']:.2f})")
     os.makedirs(RESULTS, exist_ok=True)
