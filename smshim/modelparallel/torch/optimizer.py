@@ -107,7 +107,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def shards_state(self) -> bool:
         """True when the optimizer state is partitioned over the data-parallel replicas."""
-        return bool(state.cfg.shard_optimizer_state) and state.topology.dp_size > 1
+        return bool(state.cfg.shard_optimizer_state) and state.topology.rdp_size > 1
 
     def _local_params(self) -> List[torch.Tensor]:
         """The parameters this rank steps the gradients of (its pipeline stage's), in

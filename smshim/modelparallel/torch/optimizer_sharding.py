@@ -41,10 +41,13 @@ class ShardPlan:
     """Which DP replica steps (and keeps the optimizer state of) each local parameter."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        # The replicas are the reduced-data-parallel group: with tensor parallelism the DP group
+        # also spans tensor-parallel ranks, whose parameters are different shards (rdp = dp with
+        # tp = 1).
         topo = state.topology
-        self.dp_size, self.dp_rank = topo.dp_size, topo.dp_rank
-        self.members: List[int] = topo.group(CommGroup.DP_GROUP)
-        self.group = state.process_group(CommGroup.DP_GROUP)
+        self.dp_size, self.dp_rank = topo.rdp_size, topo.rdp_rank
+        self.members: List[int] = topo.group(CommGroup.RDP_GROUP)
+        self.group = state.process_group(CommGroup.RDP_GROUP)
         self.params = list(params)
         # Largest first onto the least loaded replica; ties go to the lower index, so the plan
         # depends only on the parameter list (identical on every replica).
@@ -91,9 +94,9 @@ class ShardPlan:
 
     def gather(self, local_state: Dict[int, Any]) -> Dict[int, Any]:
         """The union of the replicas' optimizer states (indexed by parameter index): what one
-        unsharded optimizer would hold. A collective of the DP group."""
+        unsharded optimizer would hold. A collective of the replicas (RDP group)."""
         merged: Dict[int, Any] = {}
-        for part in allgather(local_state, CommGroup.DP_GROUP):
+        for part in allgather(local_state, CommGroup.RDP_GROUP):
             for i, v in part.items():
                 merged.setdefault(i, v)
         return {i: merged[i] for i in sorted(merged)}
