@@ -67,6 +67,8 @@ def reference(dtype, steps=3, batch=8, m=2, scale=1.0, dynamic=False, clip=None,
 
 
 def _train(cfg, dtype_name, opt_kwargs, steps=3, batch=8, clip=None, inf=None, ckpt=None):
+    """One rank of a job; with `ckpt` (and a manual partition) blocks 2-3 and the head go to
+    pp rank 1 and the named modules are checkpointed."""
     import smdistributed.modelparallel.torch as smp
 
     smp.init(cfg)
@@ -78,6 +80,9 @@ def _train(cfg, dtype_name, opt_kwargs, steps=3, batch=8, clip=None, inf=None, c
             smp.set_activation_checkpointing(module.get_submodule(name))
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(_opt(model.parameters()), **opt_kwargs)
+    if not cfg.get("auto_partition", True):
+        for name in ("blocks.2", "blocks.3", "head"):
+            smp.set_partition(module.get_submodule(name), 1)
 
     @smp.step
     def train_step(model, x, y):
@@ -127,12 +132,16 @@ def _check(results, ref, tol, dtype=None):
         assert diff < tol, f"{n}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
-def test_reduced_precision_pp2_matches_single_process(dtype_name):
+@pytest.mark.parametrize("dtype_name, ckpt", [("bf16", None), ("fp16", None),
+                                              ("bf16", ("blocks.0", "blocks.3"))])
+def test_reduced_precision_pp2_matches_single_process(dtype_name, ckpt):
     dtype = DTYPES[dtype_name]
     cfg = {"pipeline_parallel_degree": 2, "microbatches": 2, dtype_name: True,
            "deterministic_server": True}
-    results = run_ranks(_train, 2, cfg, dtype_name, {"static_loss_scale": 128.0}, timeout=150)
+    if ckpt:  # checkpointed blocks on both stages
+        cfg.update({"auto_partition": False, "default_partition": 0})
+    results = run_ranks(_train, 2, cfg, dtype_name, {"static_loss_scale": 128.0}, 3, 8, None,
+                        None, ckpt, timeout=150)
     ref, flags, _, _ = reference(dtype, scale=128.0)
     assert not any(flags)
     _check(results, ref, MP_TOL, dtype)
@@ -177,6 +186,25 @@ def test_clip_master_grads_equals_clip_grad_norm(dtype_name):
             rel = 1e-5 if dtype is None else 1e-3
             assert math.isclose(got, want, rel_tol=rel), (r["pp_rank"], r["norms"], norms)
     _check(results, ref, FP32_TOL if dtype is None else MP_TOL, dtype)
+
+
+def test_dynamic_loss_scaler_rules():
+    from smshim.modelparallel.torch.loss_scaler import LossScaler, make_loss_scaler
+
+    s = LossScaler(dynamic=True, init_scale=8.0, scale_window=2, delayed_shift=2, min_scale=4.0)
+    seen = []
+    for overflow in [True, True, False, False, True, True, True, False]:
+        s.update(overflow)
+        seen.append(s.scale)
+    # 1st overflow only uses up the hysteresis (delayed_shift=2); a clean window of 2 steps
+    # after the last overflow doubles the scale; never below min_scale.
+    assert seen == [8.0, 4.0, 4.0, 8.0, 8.0, 4.0, 4.0, 4.0], seen
+    assert LossScaler(static_scale=32.0).scale == 32.0
+    s = make_loss_scaler(None, True, {"dynamic_loss_args": {"scale_window": 3, "init_scale": 2.0}})
+    assert s.dynamic and s.scale == 2.0 and s.scale_window == 3
+    assert make_loss_scaler(None, False, {}).scale == 1.0
+    with pytest.raises(TypeError, match="unknown dynamic_loss_args"):
+        make_loss_scaler(None, True, {"window": 3})
 
 
 def test_fp16_config_validation_and_model_creation():

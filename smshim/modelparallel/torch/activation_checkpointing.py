@@ -181,11 +181,14 @@ def _valid(unit: _Unit, assignment: Dict[str, int], pp_size: int) -> bool:
 
 def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:
     real = module.forward  # the class's forward, or an instance forward set before
+    if getattr(real, "_smp_checkpointed", False):
+        return  # wrapped for an earlier DistributedModel of the same module (after smp.reset())
 
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         return _run_checkpointed(real, spec.preserve_rng_state, *args, **kwargs)
 
     checkpointed_forward.__name__ = f"checkpointed_forward[{type(module).__name__}]"
+    checkpointed_forward._smp_checkpointed = True  # type: ignore[attr-defined]
     module.forward = checkpointed_forward
 
 
