@@ -298,10 +298,12 @@ def _pipeline_context(module: nn.Module) -> Tuple[Optional[Any], str]:
     model = state.model if state.initialized else None
     if model is None or model._pipeline is None:
         return None, ""
-    for name, m in model.module.named_modules():
-        if m is module:
-            return model._pipeline, name
-    return None, ""
+    names = model.__dict__.get("_ckpt_module_names")
+    if names is None:  # built once: these calls run once per layer and microbatch
+        names = {id(m): n for n, m in model.module.named_modules()}
+        model.__dict__["_ckpt_module_names"] = names
+    name = names.get(id(module))
+    return (model._pipeline, name) if name is not None else (None, "")
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:

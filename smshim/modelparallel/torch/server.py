@@ -153,6 +153,7 @@ class ModuleServer:
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
+        self._proxy_ids: set = set()
         # "This rank's backward work for the step is done" (every microbatch ran forward here and
         # no graph is left): lets data parallelism start reducing early.
         self.on_local_backward_done: Optional[Callable[[], None]] = None
@@ -200,6 +201,7 @@ class ModuleServer:
                     self._instance_forward[id(module)] = module.__dict__["forward"]
                 module.forward = _make_proxy(self, name, owner)
                 self._proxies.append(module)
+                self._proxy_ids.add(id(module))
 
     def remove_proxies(self) -> None:
         for module in self._proxies:
@@ -208,10 +210,11 @@ class ModuleServer:
             if previous is not None:
                 module.forward = previous
         self._proxies.clear()
+        self._proxy_ids.clear()
 
     def is_proxied(self, module: nn.Module) -> bool:
         """Calls of `module` on this rank go through the server (owned elsewhere, or a region)."""
-        return any(m is module for m in self._proxies)
+        return id(module) in self._proxy_ids
 
     def real_forward(self, name: str) -> Callable[..., Any]:
         """What runs when module (or served function) `name` executes on this rank."""
