@@ -275,3 +275,15 @@ def test_invalid_arguments():
         smp.set_activation_checkpointing(nn.Linear(2, 2), strategy="group_2")
     with pytest.raises(ValueError, match="no forward"):
         smp.set_activation_checkpointing(nn.ModuleList([nn.Linear(2, 2)]))
+
+
+def test_pp4_auto_partition_all_blocks_checkpointed():
+    cfg = {"pipeline_parallel_degree": 4, "microbatches": 4}
+    marks = {f"blocks.{i}": {} for i in range(4)}
+    results = run_ranks(_job, 4, "net", cfg, marks, None, 3, 8, timeout=200)
+    _check(results, run_reference("net"))
+    assert not any(r["warnings"] for r in results), [r["warnings"] for r in results]
+    calls = _calls(results)
+    for i in range(4):  # 2 steps x 4 microbatches, each recomputed once
+        assert calls[f"blocks.{i}.lin"] == 2 * 8, calls
+    assert len({r["assignment"][f"blocks.{i}"] for r in results for i in range(4)}) > 1
