@@ -17,7 +17,7 @@ TOL = 1e-5
 MP_TOL = 1e-3
 
 
-def _reference(steps, batch=16, dtype=None, m=4, fresh_optimizer_at=None):
+def _reference(steps, batch=16, dtype=None, m=4, fresh_optimizer_at=None, scale=1.0):
     model = make_model("net")
     if dtype is not None:
         model.to(dtype)
@@ -34,10 +34,10 @@ def _reference(steps, batch=16, dtype=None, m=4, fresh_optimizer_at=None):
         for mb in range(m):
             xs = x[mb * k:(mb + 1) * k]
             out = model(xs.to(dtype) if dtype is not None else xs, scale=0.5)
-            (F.cross_entropy(out["logits"].float(), y[mb * k:(mb + 1) * k]) / m).backward()
+            (F.cross_entropy(out["logits"].float(), y[mb * k:(mb + 1) * k]) * (scale / m)).backward()
         if dtype is not None:
             for w, p in zip(masters, params):
-                w.grad = p.grad.float()
+                w.grad = p.grad.float() / scale
         opt.step()
         if dtype is not None:
             with torch.no_grad():
@@ -50,13 +50,14 @@ def _job(cfg, steps, batch, save_dir=None, load_dir=None, dtype_name=None, ckpt=
     import smdistributed.modelparallel.torch as smp
 
     smp.init(cfg)
-    dtype = {"bf16": torch.bfloat16}.get(dtype_name)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name)
     dp, dp_rank = smp.dp_size(), smp.dp_rank()
     module = make_model("net")
     for name in ckpt:
         smp.set_activation_checkpointing(module.get_submodule(name))
     model = smp.DistributedModel(module)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   **({"static_loss_scale": 64.0} if dtype_name == "fp16" else {}))
     for name, pid in (manual or {}).items():
         smp.set_partition(module.get_submodule(name), pid)
 
@@ -96,12 +97,12 @@ def _job(cfg, steps, batch, save_dir=None, load_dir=None, dtype_name=None, ckpt=
         smp.barrier()
     weights, lowp = {}, {}
     for n, p in model.local_named_parameters():
-        if p.dtype == torch.bfloat16:
+        if p.dtype in (torch.bfloat16, torch.float16):
             lowp[n] = p.detach().clone()
             if not opt._shard.owns(p):
                 continue  # its fp32 master lives on the replica that steps it
             weights[n] = opt._masters.weight(p).detach().clone()
-            assert torch.equal(lowp[n], weights[n].to(torch.bfloat16)), n
+            assert torch.equal(lowp[n], weights[n].to(p.dtype)), n
         else:
             weights[n] = p.detach().clone()
     return {"weights": weights, "lowp": lowp, "pp_rank": smp.pp_rank(), "dp_rank": dp_rank,
@@ -126,7 +127,7 @@ def _check(results, ref, tol):
 
 
 def _check_sharded(results):
-    for pp in (0, 1):
+    for pp in sorted({r["pp_rank"] for r in results}):
         stage = [r for r in results if r["pp_rank"] == pp]
         n = stage[0]["local_params"]
         # Each replica keeps the state of only its share; together exactly every parameter.
@@ -151,6 +152,14 @@ def test_sharded_pp2_dp2_matches_single_process():
     _check(results, ref, TOL)
     _check_sharded(results)
     _assert_state_close(results[0]["full"], ref_opt, TOL)
+
+
+def test_sharded_fp16_pp1_dp2():
+    cfg = {"microbatches": 2, "ddp": True, "fp16": True, "shard_optimizer_state": True}
+    results = run_ranks(_job, 2, cfg, 3, 16, None, None, "fp16", timeout=150)
+    ref, _ = _reference(3, dtype=torch.float16, scale=64.0)
+    _check(results, ref, MP_TOL)
+    _check_sharded(results)
 
 
 def test_sharded_bf16_with_checkpointed_layers_on_both_stages():
