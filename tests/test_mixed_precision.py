@@ -216,3 +216,59 @@ def test_fp16_config_validation_and_model_creation():
     with pytest.raises(TypeError, match="floating-point"):
         with smp.model_creation(dtype=torch.int64):
             pass
+
+
+def _created_in_bf16():
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "deterministic_server": True})
+    with smp.model_creation(dtype=torch.bfloat16):
+        module = make_model("net")
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(_opt(model.parameters()))
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x, scale=0.5)
+        loss = F.cross_entropy(out["logits"].float(), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in batches("net", 3, 8):
+        opt.zero_grad()
+        train_step(model, x.to(torch.bfloat16), y)
+        opt.step()
+    return {n: opt._masters.weight(p).clone() for n, p in model.local_named_parameters()}
+
+
+def test_model_created_in_bf16_steps_fp32_masters():
+    # fp32 config, parameters created in bf16 by smp.model_creation(dtype=): the optimizer still
+    # steps fp32 masters (no loss scaling). The reference creates its model the same way (bf16
+    # default dtype) and steps fp32 masters by hand.
+    results = run_ranks(_created_in_bf16, 2, timeout=150)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = make_model("net")
+    finally:
+        torch.set_default_dtype(prev)
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    masters = [p.detach().float().clone() for p in params]
+    opt = _opt(masters)
+    for x, y in batches("net", 3, 8):
+        for p in params:
+            p.grad = None
+        for mb in range(2):
+            out = model(x[mb * 4:(mb + 1) * 4].to(torch.bfloat16), scale=0.5)
+            (F.cross_entropy(out["logits"].float(), y[mb * 4:(mb + 1) * 4]) / 2).backward()
+        for w, p in zip(masters, params):
+            w.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for p, w in zip(params, masters):
+                p.copy_(w)
+    merged = {**results[0], **results[1]}
+    for n, w in zip(names, masters):
+        assert (merged[n] - w).abs().max().item() < MP_TOL, n

@@ -29,7 +29,7 @@ from . import state_dicts
 from .comm import CommGroup, allgather
 from .errors import SMPRuntimeError
 from .loss_scaler import LossScaler, agree_found_inf, make_loss_scaler
-from .mixed_precision import MasterWeights, config_dtype, upcast_state
+from .mixed_precision import REDUCED, MasterWeights, config_dtype, upcast_state
 from .optimizer_sharding import SHARD_DP_RANK_KEY, SHARD_DP_SIZE_KEY, ShardPlan
 from .state import require_init, state
 
@@ -98,6 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shard: Optional[ShardPlan] = None
         self._unscaled = False  # this step's gradients are unscaled and checked already
         self._found_inf = False
+        self._any_reduced: Optional[bool] = None
         # A model load replaces the reduced-precision weights: the masters follow them.
         model.module.register_load_state_dict_post_hook(lambda *_: self._masters.clear())
         optimizer.register_load_state_dict_post_hook(self._after_load)
@@ -123,6 +124,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     out.append(p)
         return out
 
+    def _mixed(self) -> bool:
+        """fp32 masters are in play: fp16/bf16 configured, or reduced-precision parameters
+        (e.g. created under smp.model_creation(dtype=...) in an fp32 config)."""
+        if self.reduced_dtype is not None or self.loss_scaler is not None:
+            return True
+        if self._any_reduced is None:
+            # Decided once and by every rank together: the step's overflow agreement is a
+            # collective, so all stages must take the same path even if only one stage's
+            # parameters are in a reduced dtype (a max over the job, as for found-inf flags).
+            local = any(p.dtype in REDUCED for p in self._local_params())
+            self._any_reduced = bool(agree_found_inf(1.0 if local else 0.0, CommGroup.WORLD))
+        return self._any_reduced
+
     def _plan(self) -> Optional[ShardPlan]:
         if self.shards_state and self._shard is None:
             self._shard = ShardPlan([p for p in self._local_params() if p.requires_grad])
@@ -133,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._unscaled:
             return self._found_inf
         self._unscaled = True
-        if self.reduced_dtype is None and self.loss_scaler is None:
+        if not self._mixed():
             self._found_inf = False
             return False
         inv = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -172,8 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable[[], float]] = None):
         plan = self._plan()
-        mixed = self.reduced_dtype is not None or self.loss_scaler is not None or \
-            any(p.dtype in (torch.float16, torch.bfloat16) for p in self._local_params())
+        mixed = self._mixed()
         if not mixed and plan is None:
             self._unscaled = False
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -204,6 +217,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._masters.drop_grads()
         return None
 
+    # The wrapped optimizer's step already runs torch's profiling record and step hooks: keep
+    # torch from wrapping this one too (hooks would fire twice), and register hooks there.
+    step.hooked = True  # type: ignore[attr-defined]
+
     def _after_load(self, _optimizer: torch.optim.Optimizer) -> None:
         plan = self._plan()
         if plan is not None:
@@ -224,10 +241,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             sd["_smp_loss_scaler"] = self.loss_scaler.state_dict()
         return sd
-
-    # The wrapped optimizer's step already runs torch's profiling record and step hooks: keep
-    # torch from wrapping this one too (hooks would fire twice), and register hooks there.
-    step.hooked = True  # type: ignore[attr-defined]
 
     def register_step_pre_hook(self, hook: Callable):
         return self.optimizer.register_step_pre_hook(hook)
