@@ -165,16 +165,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         require_init("DistributedOptimizer.clip_master_grads")
         if self._unscale_and_check():
             return float("inf")
-        grads = [g for g in (self._masters.grad(p) for p in self._local_params()) if g is not None]
+        params = self._local_params()
+        grads = [g for g in (self._masters.grad(p) for p in params) if g is not None]
+        # Each parameter counts once in the norm: over the MP group (pipeline stages x tensor-
+        # parallel ranks) a tensor-parallel shard is a different piece on every TP rank, but any
+        # other parameter is a copy on each TP rank, so only tp_rank 0 counts those. (Shards are
+        # marked by tensor parallelism with `_smp_tp`, whose `dim` is not None.)
+        counted = grads
+        if state.topology.tp_size > 1 and state.topology.tp_rank != 0:
+            counted = [g for p in params if (g := self._masters.grad(p)) is not None
+                       and getattr(getattr(p, "_smp_tp", None), "dim", None) is not None]
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in grads), default=0.0)
+            local = max((float(g.abs().max()) for g in counted), default=0.0)
             total = max(allgather(local, CommGroup.MP_GROUP)) if state.topology.mp_size > 1 \
                 else local
         else:
-            local = sum(float(torch.linalg.vector_norm(g, norm_type)) ** norm_type for g in grads)
-            # The MP group (pipeline stages x tensor-parallel shards) holds each parameter once;
-            # data-parallel replicas hold copies, so they are not added.
+            local = sum(float(torch.linalg.vector_norm(g, norm_type)) ** norm_type
+                        for g in counted)
+            # Data-parallel replicas hold copies of the same gradients: they are not added.
             parts = allgather(local, CommGroup.MP_GROUP) if state.topology.mp_size > 1 else [local]
             total = sum(parts) ** (1.0 / norm_type)
         coef = float(max_norm) / (total + 1e-6)
