@@ -50,7 +50,8 @@ class FunctionalNet(nn.Module):
         h = self.inp(x)
         for b in self.blocks:
             h = smp.checkpoint(b, h)
-        h = smp.checkpoint_sequential(self.tail, h, strategy="group_2")
+        # (no dropout here: the RNG state need not be replayed)
+        h = smp.checkpoint_sequential(self.tail, h, strategy="group_2", preserve_rng_state=False)
         return self.head(h)
 
 

@@ -54,8 +54,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["set_activation_checkpointing", "checkpoint", "checkpoint_sequential", "apply_marks"]
 
 _MARK = "_smp_activation_checkpointing"
+# Served-function names: "<module>#ckpt" and "<sequential>#ckpt[a:b]", with "-no-rng" after
+# "#ckpt" when the caller asked for preserve_rng_state=False (the owner builds the function from
+# the name alone).
 _SUFFIX = "#ckpt"
-_GROUP_NAME = re.compile(r"^(.*)#ckpt\[(\d+):(\d+)\]$")
+_NO_RNG = "-no-rng"
+_GROUP_NAME = re.compile(r"^(.*)#ckpt(-no-rng)?\[(\d+):(\d+)\]$")
+_MODULE_NAME = re.compile(r"^(.*)#ckpt(-no-rng)?$")
+
+
+def _served_name(base: str, preserve_rng_state: bool,
+                 group: Optional[Tuple[int, int]] = None) -> str:
+    name = base + _SUFFIX + ("" if preserve_rng_state else _NO_RNG)
+    return name if group is None else f"{name}[{group[0]}:{group[1]}]"
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,8 @@ def _units(root: nn.Module, assignment: Dict[str, int]) -> List[Tuple[_Unit, str
                     bounds.append((start, i))
                     start = i
         for a, b in bounds:
-            out.append((_Unit(f"{name}{_SUFFIX}[{a}:{b}]", children[a:b], spec), "group"))
+            out.append((_Unit(_served_name(name, spec.preserve_rng_state, (a, b)),
+                              children[a:b], spec), "group"))
     return out
 
 
@@ -273,20 +285,18 @@ def serve_functions(model: "DistributedModel", server: "ModuleServer") -> None:
     def factory(name: str) -> Optional[Callable[..., Any]]:
         m = _GROUP_NAME.match(name)
         if m is not None:
-            seq_name, a, b = m.group(1), int(m.group(2)), int(m.group(3))
+            seq_name, preserve = m.group(1), m.group(2) is None
+            a, b = int(m.group(3)), int(m.group(4))
             seq = modules.get(seq_name)
             if not isinstance(seq, nn.Sequential):
                 return None
             names = _children(seq, seq_name)[a:b]
-            spec = getattr(seq, _MARK, None) or CheckpointSpec()
             run = _sequence([modules[n] for n in names], server, names)
-            return lambda x: _run_checkpointed(run, spec.preserve_rng_state, x)
-        if name.endswith(_SUFFIX):
-            base = name[:-len(_SUFFIX)]
-            if base not in modules:
-                return None
-            real = server.real_forward(base)
-            return lambda *args, **kwargs: _run_checkpointed(real, True, *args, **kwargs)
+            return lambda x: _run_checkpointed(run, preserve, x)
+        m = _MODULE_NAME.match(name)
+        if m is not None and m.group(1) in modules:
+            real, preserve = server.real_forward(m.group(1)), m.group(2) is None
+            return lambda *args, **kwargs: _run_checkpointed(real, preserve, *args, **kwargs)
         return None
 
     server.function_factory = factory
@@ -317,7 +327,8 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -
         return module(*args)
     server = pipeline.server
     if server.is_proxied(module):
-        return server.call(name + _SUFFIX, model._assignment.get(name, 0), args, {})
+        return server.call(_served_name(name, preserve_rng_state), model._assignment.get(name, 0),
+                           args, {})
     return _run_checkpointed(module, preserve_rng_state, *args)
 
 
@@ -353,7 +364,8 @@ def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy
                 start = i
     x = input
     for a, b in bounds:
-        unit = _Unit(f"{name}{_SUFFIX}[{a}:{b}]", names[a:b], CheckpointSpec(preserve_rng_state))
+        unit = _Unit(_served_name(name, preserve_rng_state, (a, b)), names[a:b],
+                     CheckpointSpec(preserve_rng_state))
         if not _valid(unit, assignment, model._pp_size):
             for c in children[a:b]:
                 x = c(x)
