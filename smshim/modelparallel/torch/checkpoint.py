@@ -412,7 +412,8 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
     """Load a checkpoint written by `save_checkpoint` into `smp.state.model`/`.optimizer` (applied
     after partitioning if the model is not partitioned yet) and return its user_content. Call it
     on every rank (the ranks check in with each other so that a failure raises everywhere).
-    `load_sharded_optimizer_state` has no effect: smshim does not shard optimizer state.
+    `load_sharded_optimizer_state` has no effect: with shard_optimizer_state the checkpoint's
+    optimizer file holds the state gathered over the replicas, and each replica keeps its share.
     `weights_only=False` allows full unpickling of user_content (see the module docstring)."""
     require_init("smp.resume_from_checkpoint")
     path = os.fspath(path)
