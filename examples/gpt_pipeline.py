@@ -157,6 +157,9 @@ def parse_args() -> argparse.Namespace:
                    help="where checkpoints go and are resumed from (default: <out dir>/checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="save a checkpoint every K steps (0: never)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block's activations in backward "
+                        "(smp.set_activation_checkpointing)")
     p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
                    help="trace the pipeline and draw one step's timeline (default on)")
     # SageMaker passes the hyperparameters, including mp_parameters, as arguments too.
@@ -168,15 +171,26 @@ def parse_args() -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple:
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = smp.DistributedModel(GPT(256, args.context, args.d_model, args.heads, args.layers))
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                                           weight_decay=0.01))
+    gpt = GPT(256, args.context, args.d_model, args.heads, args.layers)
+    if args.activation_checkpointing:
+        for block in gpt.blocks:
+            smp.set_activation_checkpointing(block)
+    model = smp.DistributedModel(gpt)
+    # With "fp16"/"bf16" in the smp config the model runs in that dtype and the optimizer keeps
+    # fp32 master weights, with a dynamic loss scale (needed by fp16's narrow range).
+    cfg = smp.state.cfg
+    scaling = dict(static_loss_scale=None, dynamic_loss_scale=True,
+                   dynamic_loss_args={"init_scale": 2.0 ** 16, "scale_window": 1000,
+                                      "min_scale": 1, "delayed_shift": 2}) \
+        if (cfg.fp16 or cfg.bf16) else {}
+    optimizer = smp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), **scaling)
     return model, optimizer
 
 
 @smp.step
 def train_step(model, idx, targets):
-    logits = model(idx)
+    logits = model(idx).float()  # (a no-op in fp32; the loss in fp32 under fp16/bf16)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     model.backward(loss)
     return loss

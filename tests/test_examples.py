@@ -53,6 +53,23 @@ def test_gpt_pipeline_main_job(tmp_path):
         assert "matplotlib is not installed: skipping loss_curve.png" in out
 
 
+def test_gpt_pipeline_bf16_sharded_checkpointed(tmp_path):
+    # The main job with issue 12's training features on: bf16 with fp32 master weights and a
+    # dynamic loss scale, optimizer state sharded over the 2 replicas, every block checkpointed.
+    params = {"partitions": 2, "microbatches": 4, "ddp": True, "bf16": True,
+              "shard_optimizer_state": True}
+    dist = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": params}},
+            "mpi": {"enabled": True, "processes_per_host": 4}}
+    out = _run(tmp_path, "--distribution", json.dumps(dist), "--output-dir", str(tmp_path / "job"),
+               os.path.join(EXAMPLES, "gpt_pipeline.py"), "--steps", "6", "--layers", "2",
+               "--corpus-kb", "64", "--out-dir", str(tmp_path / "out"), "--no-timeline",
+               "--activation-checkpointing")
+    assert "4 processes = pp 2 x dp 2, 4 microbatches" in out, out
+    _loss_fell(out)
+    # Its checkpoint (written at the last step) holds the gathered optimizer state.
+    assert (tmp_path / "out" / "checkpoints" / "newest").read_text().strip(), out
+
+
 @needs_sklearn
 def test_mnist_smp_from_a_sagemaker_distribution(tmp_path):
     params = {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True}

@@ -50,15 +50,15 @@ BAD = [
     ("world-needs-ddp", {}, None, SMPConfigError, ["world size 2", "= 1", "ddp"]),
     ("world-needs-ddp-env", {"ddp": True}, '{"ddp": false}', SMPConfigError, ["world size 2", "ddp"]),
     ("adv-tp", {"tensor_parallel_degree": 2}, None, SMPUnsupportedError, ["'tensor_parallel_degree'", "2", "tensor parallelism"]),
-    ("adv-fp16", {"partitions": 2, "fp16": True}, None, SMPUnsupportedError, ["'fp16'", "True"]),
-    ("adv-bf16", {"partitions": 2, "bf16": True}, None, SMPUnsupportedError, ["'bf16'"]),
-    ("adv-fp16-params", {"partitions": 2, "fp16_params": True}, None, SMPUnsupportedError, ["'fp16_params'"]),
+    ("mp-fp16-bf16", {"partitions": 2, "fp16": True, "bf16": True}, None, SMPConfigError, ["'fp16'", "'bf16'", "both"]),
+    ("mp-fp16-bf16-env", {"partitions": 2, "fp16": True}, '{"bf16": true}', SMPConfigError, ["'fp16'", "'bf16'", ENV]),
+    ("mp-fp16-params", {"partitions": 2, "fp16_params": True}, None, SMPConfigError, ["'fp16_params'", "'fp16'"]),
+    ("dep-shard-ddp", {"partitions": 2, "shard_optimizer_state": True}, None, SMPConfigError, ["'shard_optimizer_state'", "'ddp'"]),
+    ("adv-env", {"ddp": True}, '{"offload_activations": true}', SMPUnsupportedError, ["'offload_activations'", ENV]),
     ("adv-horovod", {"partitions": 2, "horovod": True}, None, SMPUnsupportedError, ["'horovod'"]),
-    ("adv-shard", {"ddp": True, "shard_optimizer_state": True}, None, SMPUnsupportedError, ["'shard_optimizer_state'"]),
     ("adv-offload", {"ddp": True, "offload_activations": True}, None, SMPUnsupportedError, ["'offload_activations'"]),
     ("adv-delayed", {"ddp": True, "delayed_parameter_initialization": True}, None, SMPUnsupportedError, ["'delayed_parameter_initialization'"]),
     ("adv-sdp", {"ddp": True, "sharded_data_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'"]),
-    ("adv-env", {"ddp": True}, '{"fp16": true}', SMPUnsupportedError, ["'fp16'", ENV]),
 ]
 assert len(BAD) >= 15
 
@@ -139,6 +139,14 @@ def test_alias_and_merge():
     assert resolve_config(None, 1, env={ENV: ""}) == SMPConfig()
 
 
+def test_mixed_precision_and_sharding_accepted():
+    cfg = resolve_config({"partitions": 2, "fp16": True, "fp16_params": True}, 2, env={})
+    assert cfg.fp16 and cfg.fp16_params and not cfg.bf16
+    cfg = resolve_config({"partitions": 2, "bf16": True, "ddp": True,
+                          "shard_optimizer_state": True}, 4, env={})
+    assert cfg.bf16 and cfg.shard_optimizer_state and cfg.ddp
+
+
 def test_accepted_adv_values():
     cfg = resolve_config({"prescaled_batch": True, "skip_tracing": True, "contiguous": False,
                           "tensor_parallel_seed": 7, "activation_loading_horizon": 8,
@@ -182,9 +190,7 @@ def test_adv_entry_points():
         (lambda: smp.tensor_parallelism(), "smp.tensor_parallelism"),
         (lambda: smp.delay_param_initialization(), "smp.delay_param_initialization"),
         (lambda: smp.model_creation(tensor_parallelism=True), "smp.model_creation"),
-        (lambda: smp.model_creation(dtype=torch.float16), "dtype=torch.float16"),
         (lambda: smp.set_tensor_parallelism(layer), "smp.set_tensor_parallelism"),
-        (lambda: smp.set_activation_checkpointing(layer), "smp.set_activation_checkpointing"),
         (lambda: smp.nn.DistributedTransformerLMHead(num_layers=2), "DistributedTransformerLMHead"),
         (lambda: smp.nn.DistributedLinear(2, 2), "DistributedLinear"),
         (lambda: smp.nn.DistributedEmbedding(10, 2), "DistributedEmbedding"),

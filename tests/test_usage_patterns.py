@@ -391,14 +391,14 @@ def _hf_eval(smp, hf, model):
             "eval_losses": hf.smp_gather(loss)}
 
 
-def _trainer_loop(ckpt):
+def _trainer_loop(ckpt, shard=False):
     from tests.usage_helpers import hf_style as hf  # its @smp.step()s are made before smp.init
 
     import smdistributed.modelparallel.torch as smp
 
-    smp.init(MP2_DDP)
+    smp.init(dict(MP2_DDP, shard_optimizer_state=shard))
     cfg = smp.state.cfg
-    assert (cfg.fp16, cfg.prescaled_batch, cfg.shard_optimizer_state) == (False, False, False)
+    assert (cfg.fp16, cfg.prescaled_batch, cfg.shard_optimizer_state) == (False, False, shard)
     assert isinstance(smp.state.module_manager.translate_functions, list)
     assert tuple(int(v) for v in smp.__version__.split(".")[:2]) >= (1, 10)
     assert (smp.rdp_rank(), smp.rdp_size()) == (smp.dp_rank(), smp.dp_size())
@@ -480,4 +480,18 @@ def test_trainer_style_loop(trainer_run):
 
 def test_trainer_resume_continues_like_the_uninterrupted_run(trainer_run):
     results, _ = trainer_run
+    assert_close(merge_local(results, "resumed_params"), _hf_reference(OPT_STEPS))
+
+
+def test_trainer_style_loop_with_sharded_optimizer_state(tmp_path):
+    # The same Trainer calls with "shard_optimizer_state": every replica saves its shard
+    # (v3 files), the resumed run merges them back: same results as the unsharded run.
+    ckpt = tmp_path / "checkpoint-2"
+    results = run_ranks(_trainer_loop, 4, str(ckpt), True, timeout=180)
+    files = sorted(os.listdir(ckpt))
+    assert files == ["optimizer.pt_0_0_0", "optimizer.pt_0_0_1", "optimizer.pt_1_0_0",
+                     "optimizer.pt_1_0_1", "pytorch_model.bin", "scheduler.pt",
+                     "user_content.pt"], files
+    assert_close(merge_local(results), _hf_reference(OPT_STEPS))
+    assert_close(merge_local(results, "resumed_params_1"), _hf_reference(SAVE_AT + 1))
     assert_close(merge_local(results, "resumed_params"), _hf_reference(OPT_STEPS))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from smshim import _runtime
 from smshim.modelparallel import __version__  # noqa: F401  (smp.__version__ as in SageMaker)
-from smshim.modelparallel.torch import amp, nn  # noqa: F401  (smp.amp, smp.nn)
+from smshim.modelparallel.torch import amp, mixed_precision, nn  # noqa: F401  (smp.amp, smp.nn)
 from smshim.modelparallel.torch.comm import (
     CommGroup,
     RankType,
@@ -330,14 +330,11 @@ def delay_param_initialization(enabled: bool = True) -> ContextManager[None]:
 
 def model_creation(tensor_parallelism: bool = False, dtype: Optional[torch.dtype] = None,
                    **tensor_parallel_config: Any) -> ContextManager[None]:
-    """Context around model construction. Without tensor parallelism and with dtype None or
-    float32 it changes nothing (the tensor-parallel options only configure tensor parallelism)."""
+    """Context around model construction: modules created inside get floating-point parameters
+    of `dtype` (None: unchanged). The tensor-parallel options only configure tensor parallelism."""
     if tensor_parallelism:
         raise _unsupported("smp.model_creation(tensor_parallelism=True)", "tensor parallelism")
-    if dtype is not None and dtype != torch.float32:
-        raise _unsupported(f"smp.model_creation(dtype={dtype})",
-                           "creating the model in reduced precision (fp16/bf16)")
-    return contextlib.nullcontext()
+    return mixed_precision.creation_dtype(dtype)
 
 
 def tensor_parallelism(enabled: bool = True, **tensor_parallel_config: Any) -> ContextManager[None]:
@@ -355,14 +352,6 @@ def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True,
                            "tensor parallelism")
 
 
-def set_activation_checkpointing(module: torch.nn.Module, preserve_rng_state: bool = True,
-                                 pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
-    """Activation checkpointing of a module inside the pipeline: not supported."""
-    raise _unsupported(f"smp.set_activation_checkpointing({type(module).__name__})",
-                       "activation checkpointing inside the smp pipeline (use "
-                       "torch.utils.checkpoint in the module's forward instead)")
-
-
 # ==================================================================================================
 # The pipeline engine.
 # ==================================================================================================
@@ -377,6 +366,13 @@ from smshim.modelparallel.torch.checkpoint import (  # noqa: E402
     resume_from_checkpoint,
     save,
     save_checkpoint,
+)
+# After the checkpoint.py import above: `smp.checkpoint` is the activation-checkpointing function,
+# as in SageMaker (the submodule stays importable as smshim.modelparallel.torch.checkpoint).
+from smshim.modelparallel.torch.activation_checkpointing import (  # noqa: E402
+    checkpoint,
+    checkpoint_sequential,
+    set_activation_checkpointing,
 )
 
 

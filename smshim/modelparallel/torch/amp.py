@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from smshim.modelparallel.torch.comm import CommGroup, allgather
+from smshim.modelparallel.torch.comm import CommGroup
+from smshim.modelparallel.torch.loss_scaler import agree_found_inf
 from smshim.modelparallel.torch.state import state
 
 __all__ = ["GradScaler"]
@@ -48,7 +49,7 @@ class GradScaler(torch.amp.GradScaler):
         if not state.initialized or state.topology.pp_size == 1:
             return per_device
         local = max((float(t.item()) for t in per_device.values()), default=0.0)
-        combined = max(allgather(local, CommGroup.PP_GROUP))
+        combined = agree_found_inf(local, CommGroup.PP_GROUP)
         if not per_device:  # this stage has no gradients: it still has to agree
             per_device = {found_inf.device: found_inf}
         for t in per_device.values():

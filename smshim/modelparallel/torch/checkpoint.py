@@ -41,12 +41,13 @@ import os
 import pickle
 import re
 import secrets
-from typing import IO, Any, Callable, Optional, Tuple, Union
+from typing import IO, Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
 from .comm import CommGroup, allgather
 from .errors import SMPRuntimeError, SMPValidationError, UnsafeCheckpointError
+from .optimizer_sharding import SHARD_DP_SIZE_KEY, merge_shards
 from .state import require_init, state
 
 logger = logging.getLogger(__name__)
@@ -221,8 +222,36 @@ def load(f: PathLike, map_location: Any = None, partial: bool = True,
         if os.path.exists(v3):
             name = v3
         else:
-            raise _missing_partial(name, os.fspath(f), "smp.load")
-    return _load_user_object(name, map_location, weights_only)
+            siblings = _v3_siblings(f)
+            if not siblings:
+                raise _missing_partial(name, os.fspath(f), "smp.load")
+            name = siblings[0]  # saved at a larger dp degree: the shards are merged below
+    obj = _load_user_object(name, map_location, weights_only)
+    if isinstance(obj, dict) and SHARD_DP_SIZE_KEY in obj:
+        # A sharded optimizer state (local_state_dict(gather_if_shard=False)) holds only one
+        # replica's share: merge every replica's file, so it loads at any dp degree.
+        saved = int(obj[SHARD_DP_SIZE_KEY])
+        files = _v3_siblings(f)
+        if len(files) != saved:
+            raise FileNotFoundError(
+                f"smp.load: {name} is one of {saved} optimizer-state shards, but {len(files)} "
+                f"shard file(s) {files} exist for this pp/tp rank")
+        obj = merge_shards([obj if fn == name else _load_user_object(fn, map_location,
+                                                                     weights_only)
+                            for fn in files])
+    return obj
+
+
+def _v3_siblings(f: PathLike) -> List[str]:
+    """Every replica's v3 file of this pp/tp rank, by rdp rank."""
+    topo = state.topology
+    base = f"{os.fspath(f)}_{topo.pp_rank}_{topo.tp_rank}_"
+    found = []
+    for fn in glob.glob(glob.escape(base) + "*"):
+        tail = fn[len(base):]
+        if tail.isdigit():
+            found.append((int(tail), fn))
+    return [fn for _, fn in sorted(found)]
 
 
 # Checkpoints ----------------------------------------------------------------------------------
@@ -302,11 +331,15 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
     def write_partial() -> None:
         directory = os.path.join(path, f"{tag}_partial")
         model_file, opt_file = _rank_files(directory)
+        # A sharded optimizer state is gathered over the DP group: every replica takes part.
+        sharded = getattr(optimizer, "shards_state", False)
+        osd = optimizer.local_state_dict() if sharded else None
         if writer:
             # Taken before any file is written: a misuse error (e.g. before partitioning) leaves
             # nothing behind.
             msd = model.local_state_dict() if model is not None else None
-            osd = optimizer.local_state_dict() if optimizer is not None else None
+            if optimizer is not None and not sharded:
+                osd = optimizer.local_state_dict()
             os.makedirs(directory, exist_ok=True)
             if msd is not None:
                 _atomic_write(model_file, _torch_writer(msd))
@@ -318,9 +351,12 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
 
     def write_full() -> None:
         msd = osd = None
+        if getattr(optimizer, "shards_state", False):  # gathered over the DP group: everyone
+            osd = optimizer.state_dict()
         if topo.dp_rank == 0:  # the PP group of rank 0 gathers; other replicas hold copies
             msd = model.state_dict() if model is not None else None
-            osd = optimizer.state_dict() if optimizer is not None else None
+            if optimizer is not None and osd is None:
+                osd = optimizer.state_dict()
         if topo.rank == 0:
             os.makedirs(path, exist_ok=True)
             if msd is not None:
@@ -376,7 +412,8 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
     """Load a checkpoint written by `save_checkpoint` into `smp.state.model`/`.optimizer` (applied
     after partitioning if the model is not partitioned yet) and return its user_content. Call it
     on every rank (the ranks check in with each other so that a failure raises everywhere).
-    `load_sharded_optimizer_state` has no effect: smshim does not shard optimizer state.
+    `load_sharded_optimizer_state` has no effect: with shard_optimizer_state the checkpoint's
+    optimizer file holds the state gathered over the replicas, and each replica keeps its share.
     `weights_only=False` allows full unpickling of user_content (see the module docstring)."""
     require_init("smp.resume_from_checkpoint")
     path = os.fspath(path)

@@ -29,11 +29,13 @@ Dependencies and the choices made where SPEC leaves room:
   * ddp_port defaults to MASTER_PORT (None when unset); it must be in [0, 65535].
   * world size: `size % (pp * tp) != 0` is an error; size > pp * tp needs ddp.
 
-Adv keys (SPEC §3), decided one by one. Rejected with SMPUnsupportedError (a NotImplementedError)
-naming the key when set to a non-default value, because accepting them would silently change the
-meaning of training:
-  tensor_parallel_degree > 1, sharded_data_parallel_degree > 1, fp16, bf16, fp16_params, horovod,
-  shard_optimizer_state, offload_activations, delayed_parameter_initialization.
+Adv keys (SPEC §3), decided one by one. Implemented: fp16 / bf16 (the model runs in that dtype,
+DistributedOptimizer keeps fp32 master weights and scales the loss; mixed_precision.py), fp16_params
+(needs fp16), shard_optimizer_state (needs ddp; optimizer_sharding.py); fp16 with bf16 is an error
+naming both. Rejected with SMPUnsupportedError (a NotImplementedError) naming the key when set to a
+non-default value, because accepting them would silently change the meaning of training:
+  tensor_parallel_degree > 1, sharded_data_parallel_degree > 1, horovod, offload_activations,
+  delayed_parameter_initialization.
 Accepted with any valid value, because they cannot change results here:
   prescaled_batch (only distinguishes rdp from dp batch sharding, and with tp = 1 rdp == dp),
   skip_tracing (a partitioning-cost hint; any partition is correct), contiguous (our partitions
@@ -145,11 +147,7 @@ _NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
 _UNSUPPORTED = {
     "tensor_parallel_degree": "tensor parallelism",
     "sharded_data_parallel_degree": "sharded data parallelism",
-    "fp16": "fp16 training of a partitioned model (master weights, loss scaling across stages)",
-    "bf16": "bf16 training of a partitioned model",
-    "fp16_params": "fp16 parameters",
     "horovod": "Horovod as the data-parallel engine (use \"ddp\": True)",
-    "shard_optimizer_state": "optimizer state sharding",
     "offload_activations": "activation offloading",
     "delayed_parameter_initialization": "delayed parameter initialization",
 }
@@ -298,6 +296,27 @@ def _check_ranges(v: Dict[str, Any], src: Dict[str, str]) -> None:
         raise _fail("ddp_port", port, _SPEC["ddp_port"][1], src.get("ddp_port", ""))
 
 
+def _check_mixed_precision_and_sharding(v: Dict[str, Any], src: Dict[str, str]) -> None:
+    """fp16/bf16 pick one reduced dtype for the whole model, so both at once is ambiguous;
+    fp16_params only says the parameters are created in fp16, which needs fp16 on; sharding
+    optimizer state splits it over data-parallel replicas, which only exist with ddp."""
+    if v["fp16"] and v["bf16"]:
+        raise SMPConfigError(
+            f"smp config: 'fp16'=True{_where(src.get('fp16', ''))} and "
+            f"'bf16'=True{_where(src.get('bf16', ''))} cannot both be set: the model runs in one "
+            "reduced precision; set one of them to false")
+    if v["fp16_params"] and not v["fp16"]:
+        raise SMPConfigError(
+            f"smp config: 'fp16_params'=True{_where(src.get('fp16_params', ''))} needs "
+            "'fp16'=True (it creates the parameters in fp16); set \"fp16\": true or remove "
+            "'fp16_params'")
+    if v["shard_optimizer_state"] and not v["ddp"]:
+        raise SMPConfigError(
+            f"smp config: 'shard_optimizer_state'=True{_where(src.get('shard_optimizer_state', ''))}"
+            " needs 'ddp'=True (the optimizer state is split over the data-parallel replicas); "
+            "set \"ddp\": true or remove 'shard_optimizer_state'")
+
+
 def _master_port(env: Mapping[str, str]) -> Optional[int]:
     raw = env.get("MASTER_PORT")
     try:
@@ -342,6 +361,7 @@ def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1
             "smp config: 'horovod'=True cannot be combined with 'ddp'=True; choose one "
             "(smshim supports 'ddp')"
         )
+    _check_mixed_precision_and_sharding(v, src)
     if v["memory_weight"] is None:
         v["memory_weight"] = MEMORY_WEIGHT[v["optimize"]]
     if v["pipeline"] == "simple":

@@ -33,7 +33,7 @@ class SMPConfigError(SMPValidationError):
 
 
 class SMPUnsupportedError(SMPError, NotImplementedError):
-    """An Adv feature (tensor parallelism, fp16, sharding, ...) that smshim does not implement."""
+    """An Adv feature (e.g. tensor parallelism, activation offloading) that smshim does not implement."""
 
 
 class SMPRuntimeError(SMPError, RuntimeError):

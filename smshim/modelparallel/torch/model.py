@@ -19,8 +19,9 @@ import torch.nn as nn
 
 from smshim import _runtime
 
-from . import partitioner
+from . import activation_checkpointing, partitioner
 from .comm import CommGroup
+from .mixed_precision import cast_model, config_dtype
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
                      MultipleDistributedModelError, SMPRuntimeError)
 from .pipeline import Pipeline
@@ -62,6 +63,8 @@ class DistributedModel(nn.Module):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         super().__init__()
+        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py).
+        cast_model(module, config_dtype(state.cfg))
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -192,6 +195,11 @@ class DistributedModel(nn.Module):
             grad_tensors = [grad_tensors]
         grads = []
         scale = 1.0 / self._num_mb if self.average_grads_across_microbatches else 1.0
+        # fp16/bf16: the loss is scaled here (smp scripts call model.backward(loss), never
+        # scaler.scale(loss)); the optimizer unscales before its step.
+        scaler = getattr(state.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            scale *= scaler.scale
         for t, g in zip(tensors, grad_tensors):
             if g is None:
                 if t.numel() != 1:
@@ -213,6 +221,9 @@ class DistributedModel(nn.Module):
         self.__dict__["_num_mb"] = len(mb_inputs)
         if not self.partitioned:
             self._partition(fn, mb_inputs)
+        elif self._pipeline is None and not getattr(self, "_ckpt_applied", False):
+            # pp = 1 is partitioned at construction; marks made until the first step count.
+            activation_checkpointing.apply_marks(self)
         try:
             if self._pipeline is None:
                 results = self._run_local(fn, mb_inputs)
@@ -314,10 +325,13 @@ class DistributedModel(nn.Module):
                     b.data = torch.empty(0, dtype=b.dtype, device=b.device)
         logger.info("pp rank %d keeps %d parameters, freed %d", self._pp_rank,
                     sum(p.numel() for p in self.local_parameters()), freed)
+        # Before the pipeline's server captures the forwards it serves (activation_checkpointing).
+        activation_checkpointing.apply_marks(self)
         self._pipeline = Pipeline(
             self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
             _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
+        activation_checkpointing.serve_functions(self, self._pipeline.server)
         self._setup_data_parallel()
         for fn in list(self._post_partition_hooks):
             fn(self, state.optimizer)

@@ -10,17 +10,27 @@ local parameters are stepped.
 State dicts (state_dicts.py): `state_dict()` is the full state gathered over the PP group (a
 collective), `local_state_dict()` this rank's part, `load_state_dict()` takes either and waits
 for partitioning when needed.
+
+With fp16/bf16 (mixed_precision.py) the step runs on fp32 master weights, with the loss scaled in
+`model.backward` by `loss_scaler` (loss_scaler.py): the step unscales the gradients, agrees with
+every rank of the job on overflow (`overflow`), and skips the step and lowers a dynamic scale
+when one is found. With `shard_optimizer_state` (optimizer_sharding.py) each data-parallel
+replica steps, and keeps optimizer state for, its share of the parameters.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from . import state_dicts
-from .errors import SMPRuntimeError, SMPUnsupportedError
+from .comm import CommGroup, allgather
+from .errors import SMPRuntimeError
+from .loss_scaler import LossScaler, agree_found_inf, make_loss_scaler
+from .mixed_precision import REDUCED, MasterWeights, config_dtype, upcast_state
+from .optimizer_sharding import SHARD_DP_RANK_KEY, SHARD_DP_SIZE_KEY, ShardPlan
 from .state import require_init, state
 
 logger = logging.getLogger(__name__)
@@ -56,10 +66,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if static_loss_scale != 1.0 or dynamic_loss_scale:
-            raise SMPUnsupportedError(
-                "static_loss_scale/dynamic_loss_scale are fp16 features, which smshim does not "
-                "implement; use smp.amp.GradScaler or fp32")
         model = state.model
         if model is None:
             raise SMPRuntimeError("create the smp.DistributedModel before the DistributedOptimizer")
@@ -75,14 +81,175 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # aside (see _shared) and never used once `.optimizer` is set.
         torch.optim.Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
         self.optimizer = optimizer
+        cfg = state.cfg
+        self.reduced_dtype = config_dtype(cfg)
+        # The loss is scaled only in mixed precision (SageMaker's FP16 optimizer exists only
+        # then); in fp32 the arguments would change nothing, so say so instead of ignoring them.
+        self.loss_scaler: Optional[LossScaler] = None
+        if self.reduced_dtype is not None:
+            self.loss_scaler = make_loss_scaler(static_loss_scale, dynamic_loss_scale,
+                                                dynamic_loss_args)
+        elif (static_loss_scale not in (None, 1.0)) or dynamic_loss_scale:
+            logger.warning("DistributedOptimizer: static_loss_scale=%r / dynamic_loss_scale=%r "
+                           "have no effect without \"fp16\" or \"bf16\" in the smp config (the "
+                           "loss is not scaled in fp32)", static_loss_scale, dynamic_loss_scale)
+        self.overflow = False
+        self._masters = MasterWeights()
+        self._shard: Optional[ShardPlan] = None
+        self._unscaled = False  # this step's gradients are unscaled and checked already
+        self._found_inf = False
+        self._any_reduced: Optional[bool] = None
+        # A model load replaces the reduced-precision weights: the masters follow them.
+        model.module.register_load_state_dict_post_hook(lambda *_: self._masters.clear())
+        optimizer.register_load_state_dict_post_hook(self._after_load)
         state.optimizer = self
 
+    # ---- mixed precision / sharding ----------------------------------------------------------
+    @property
+    def shards_state(self) -> bool:
+        """True when the optimizer state is partitioned over the data-parallel replicas."""
+        return bool(state.cfg.shard_optimizer_state) and state.topology.rdp_size > 1
+
+    def _local_params(self) -> List[torch.Tensor]:
+        """The parameters this rank steps the gradients of (its pipeline stage's), in
+        param_groups order."""
+        model = state.model
+        seen, out = set(), []
+        local = None if model is None or model._pp_size == 1 else \
+            {id(p) for p in model.local_parameters()}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen and (local is None or id(p) in local):
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _mixed(self) -> bool:
+        """fp32 masters are in play: fp16/bf16 configured, or reduced-precision parameters
+        (e.g. created under smp.model_creation(dtype=...) in an fp32 config)."""
+        if self.reduced_dtype is not None or self.loss_scaler is not None:
+            return True
+        if self._any_reduced is None:
+            # Decided once and by every rank together: the step's overflow agreement is a
+            # collective, so all stages must take the same path even if only one stage's
+            # parameters are in a reduced dtype (a max over the job, as for found-inf flags).
+            local = any(p.dtype in REDUCED for p in self._local_params())
+            self._any_reduced = bool(agree_found_inf(1.0 if local else 0.0, CommGroup.WORLD))
+        return self._any_reduced
+
+    def _plan(self) -> Optional[ShardPlan]:
+        if self.shards_state and self._shard is None:
+            self._shard = ShardPlan([p for p in self._local_params() if p.requires_grad])
+        return self._shard
+
+    def _unscale_and_check(self) -> bool:
+        """Unscale this step's gradients into fp32 and agree with every rank on overflow."""
+        if self._unscaled:
+            return self._found_inf
+        self._unscaled = True
+        if not self._mixed():
+            self._found_inf = False
+            return False
+        inv = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        local = self._masters.unscale_grads(self._local_params(), inv)
+        # Every rank of the job, so that stages, replicas (and tensor-parallel shards) skip or
+        # step together and keep the same loss scale.
+        self._found_inf = bool(agree_found_inf(1.0 if local else 0.0, CommGroup.WORLD))
+        return self._found_inf
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the (unscaled, fp32) master gradients by their global norm over the whole model
+        (every pipeline stage; every tensor-parallel shard), as torch.nn.utils.clip_grad_norm_
+        on the unpartitioned model would. Returns the norm (inf when the step overflowed, and
+        then nothing is clipped: the step will be skipped). Call it on every rank."""
+        require_init("DistributedOptimizer.clip_master_grads")
+        if self._unscale_and_check():
+            return float("inf")
+        params = self._local_params()
+        grads = [g for g in (self._masters.grad(p) for p in params) if g is not None]
+        # Each parameter counts once in the norm: over the MP group (pipeline stages x tensor-
+        # parallel ranks) a tensor-parallel shard is a different piece on every TP rank, but any
+        # other parameter is a copy on each TP rank, so only tp_rank 0 counts those. (Shards are
+        # marked by tensor parallelism with `_smp_tp`, whose `dim` is not None.)
+        counted = grads
+        if state.topology.tp_size > 1 and state.topology.tp_rank != 0:
+            counted = [g for p in params if (g := self._masters.grad(p)) is not None
+                       and getattr(getattr(p, "_smp_tp", None), "dim", None) is not None]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in counted), default=0.0)
+            total = max(allgather(local, CommGroup.MP_GROUP)) if state.topology.mp_size > 1 \
+                else local
+        else:
+            local = sum(float(torch.linalg.vector_norm(g, norm_type)) ** norm_type
+                        for g in counted)
+            # Data-parallel replicas hold copies of the same gradients: they are not added.
+            parts = allgather(local, CommGroup.MP_GROUP) if state.topology.mp_size > 1 else [local]
+            total = sum(parts) ** (1.0 / norm_type)
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
     def step(self, closure: Optional[Callable[[], float]] = None):
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        plan = self._plan()
+        mixed = self._mixed()
+        if not mixed and plan is None:
+            self._unscaled = False
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if closure is not None:
+            raise SMPRuntimeError("DistributedOptimizer.step(closure): a closure is not supported "
+                                  "with fp16/bf16 or shard_optimizer_state")
+        try:
+            if mixed:
+                self.overflow = self._unscale_and_check()
+            else:
+                self.overflow = False
+            if self.overflow:
+                logger.info("DistributedOptimizer: gradient overflow (inf/NaN) on some rank; "
+                            "step skipped (loss scale %s)",
+                            self.loss_scaler.scale if self.loss_scaler else None)
+            else:
+                params = [p for p in self._local_params() if p.grad is not None]
+                stepped = [p for p in params if plan is None or plan.owns(p)]
+                skipped = [p for p in params if plan is not None and not plan.owns(p)]
+                with self._masters.swapped(stepped if mixed else [], skipped):
+                    self.optimizer.step()
+                if plan is not None:
+                    plan.broadcast_parameters()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(self.overflow)
+        finally:
+            self._unscaled = False
+            self._masters.drop_grads()
+        return None
 
     # The wrapped optimizer's step already runs torch's profiling record and step hooks: keep
     # torch from wrapping this one too (hooks would fire twice), and register hooks there.
     step.hooked = True  # type: ignore[attr-defined]
+
+    def _after_load(self, _optimizer: torch.optim.Optimizer) -> None:
+        plan = self._plan()
+        if plan is not None:
+            plan.drop_foreign_state(self.optimizer)
+        upcast_state(self.optimizer, self._local_params())
+
+    def _torch_state_dict(self, gather: bool = True) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict, with sharded state gathered over the DP group
+        (`gather`, a collective) or marked as this replica's shard."""
+        sd = self.optimizer.state_dict()
+        plan = self._plan()
+        if plan is not None:
+            if gather:
+                sd["state"] = plan.gather(sd["state"])
+            else:
+                sd[SHARD_DP_RANK_KEY] = plan.dp_rank
+                sd[SHARD_DP_SIZE_KEY] = plan.dp_size
+        if self.loss_scaler is not None:
+            sd["_smp_loss_scaler"] = self.loss_scaler.state_dict()
+        return sd
 
     def register_step_pre_hook(self, hook: Callable):
         return self.optimizer.register_step_pre_hook(hook)
@@ -91,6 +258,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.register_step_post_hook(hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._unscaled = False
+        self._masters.drop_grads()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -100,11 +269,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def local_state_dict(self, gather_if_shard: bool = True) -> Dict[str, Any]:
         """This rank's optimizer state (`_smp_is_partial` marker, pp degree and rank included).
-        `gather_if_shard` has no effect: smshim does not shard optimizer state."""
-        return state_dicts.optimizer_local_state_dict(self)
+        With shard_optimizer_state, `gather_if_shard` collects the replicas' shards (a collective
+        of the DP group: call it on every replica); False gives this replica's shard only."""
+        return state_dicts.optimizer_local_state_dict(self, gather_if_shard)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a full or partial state; applied after partitioning if the model is not yet."""
+        scaler = state_dict.get("_smp_loss_scaler") if isinstance(state_dict, dict) else None
+        if scaler is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
         state_dicts.optimizer_load_state_dict(self, state_dict)
 
     def __getstate__(self) -> Dict[str, Any]:

@@ -153,10 +153,15 @@ class ModuleServer:
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
+        self._proxy_ids: set = set()
         # "This rank's backward work for the step is done" (every microbatch ran forward here and
         # no graph is left): lets data parallelism start reducing early.
         self.on_local_backward_done: Optional[Callable[[], None]] = None
         self._real_forward: Dict[str, Callable[..., Any]] = {}
+        # Functions served under names that are not modules (activation checkpointing's
+        # "<module>#ckpt..." units): name -> callable, built on first use by this factory.
+        self.function_factory: Optional[Callable[[str], Optional[Callable[..., Any]]]] = None
+        self._instance_forward: Dict[int, Callable[..., Any]] = {}
         # Per-microbatch bookkeeping, under one condition: requests received and not yet served,
         # forwards among them, graphs kept, and what pp_rank 0 said is over.
         self._cond = threading.Condition()
@@ -192,13 +197,35 @@ class ModuleServer:
             if module is None or name == "":
                 continue
             if owner != self.me or name in regions:
+                if "forward" in module.__dict__:  # e.g. an activation-checkpointing wrapper
+                    self._instance_forward[id(module)] = module.__dict__["forward"]
                 module.forward = _make_proxy(self, name, owner)
                 self._proxies.append(module)
+                self._proxy_ids.add(id(module))
 
     def remove_proxies(self) -> None:
         for module in self._proxies:
             module.__dict__.pop("forward", None)
+            previous = self._instance_forward.pop(id(module), None)
+            if previous is not None:
+                module.forward = previous
         self._proxies.clear()
+        self._proxy_ids.clear()
+
+    def is_proxied(self, module: nn.Module) -> bool:
+        """Calls of `module` on this rank go through the server (owned elsewhere, or a region)."""
+        return id(module) in self._proxy_ids
+
+    def real_forward(self, name: str) -> Callable[..., Any]:
+        """What runs when module (or served function) `name` executes on this rank."""
+        fn = self._real_forward.get(name)
+        if fn is None and self.function_factory is not None:
+            fn = self.function_factory(name)
+            if fn is not None:
+                self._real_forward[name] = fn
+        if fn is None:
+            raise KeyError(f"pp rank {self.me} has no module or function named {name!r}")
+        return fn
 
     # Messages (on a transport receiver thread: never sends, never waits) --------------------
     def dispatch(self, msg: Message) -> None:
@@ -598,7 +625,7 @@ class ModuleServer:
                                    caller=caller), \
                 torch.set_grad_enabled(grad_enabled):
             args, kwargs = fill(template, inputs)
-            out = self._real_forward[name](*args, **kwargs)
+            out = self.real_forward(name)(*args, **kwargs)
         out_template, outs = flatten(out)
         if caller != self.me:
             # A region's results leave this rank as values (handles live on pp_rank 0 only).

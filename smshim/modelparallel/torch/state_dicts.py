@@ -317,8 +317,9 @@ def _param_name(index: int, dopt: "DistributedOptimizer") -> str:
 
 
 def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
-    """The full optimizer state in torch's format; a PP-group collective when pp > 1."""
-    sd = dopt.optimizer.state_dict()
+    """The full optimizer state in torch's format; a PP-group collective when pp > 1 (and a
+    DP-group one with shard_optimizer_state)."""
+    sd = dopt._torch_state_dict(gather=True)
     model = state.model
     if model is None or model._pp_size == 1 or not model.partitioned:
         return _to_cpu(sd)
@@ -328,13 +329,16 @@ def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     for part in allgather(mine, CommGroup.PP_GROUP):
         for i, v in part.items():
             merged.setdefault(i, v)
-    return {"state": {i: merged[i] for i in sorted(merged)},
-            "param_groups": _to_cpu(sd["param_groups"])}
+    out = {"state": {i: merged[i] for i in sorted(merged)},
+           "param_groups": _to_cpu(sd["param_groups"])}
+    out.update({k: v for k, v in sd.items() if k.startswith(_META_PREFIX)})
+    return out
 
 
-def optimizer_local_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
+def optimizer_local_state_dict(dopt: "DistributedOptimizer",
+                               gather_if_shard: bool = True) -> Dict[str, Any]:
     """This rank's optimizer state (global indices) plus the partial-dict metadata."""
-    sd = dopt.optimizer.state_dict()
+    sd = dopt._torch_state_dict(gather=gather_if_shard)
     local = _local_indices(dopt)
     if local is not None:
         sd["state"] = {i: v for i, v in sd["state"].items() if i in local}
