@@ -318,7 +318,7 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
 
     def write_full() -> None:
         msd = osd = None
-        if topo.dp_rank == 0:  # the PP group of rank 0 gathers; other replicas hold copies
+        if topo.rdp_rank == 0:  # the MP group of rank 0 gathers; other replicas hold copies
             msd = model.state_dict() if model is not None else None
             osd = optimizer.state_dict() if optimizer is not None else None
         if topo.rank == 0:

@@ -32,13 +32,16 @@ Dependencies and the choices made where SPEC leaves room:
 Adv keys (SPEC §3), decided one by one. Rejected with SMPUnsupportedError (a NotImplementedError)
 naming the key when set to a non-default value, because accepting them would silently change the
 meaning of training:
-  tensor_parallel_degree > 1, sharded_data_parallel_degree > 1, fp16, bf16, fp16_params, horovod,
+  sharded_data_parallel_degree > 1, fp16, bf16, fp16_params, horovod,
   shard_optimizer_state, offload_activations, delayed_parameter_initialization.
+Implemented: tensor_parallel_degree (smp.nn, tensor_parallel.py) with prescaled_batch: false, the
+TP ranks of a group hold different batches that the distributed modules gather; true, they hold
+the same batch (with tp = 1 it changes nothing, since rdp == dp).
 Accepted with any valid value, because they cannot change results here:
-  prescaled_batch (only distinguishes rdp from dp batch sharding, and with tp = 1 rdp == dp),
   skip_tracing (a partitioning-cost hint; any partition is correct), contiguous (our partitions
-  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (no
-  tensor-parallel parameters exist), activation_loading_horizon (only used with
+  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (smp.nn
+  shards are cut from a full initialisation drawn from torch's RNG, the same on ranks seeded
+  alike), activation_loading_horizon (only used with
   offload_activations, which is rejected).
 """
 
@@ -143,7 +146,6 @@ _NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
 
 # Adv keys rejected when not at their default: key -> what it would need.
 _UNSUPPORTED = {
-    "tensor_parallel_degree": "tensor parallelism",
     "sharded_data_parallel_degree": "sharded data parallelism",
     "fp16": "fp16 training of a partitioned model (master weights, loss scaling across stages)",
     "bf16": "bf16 training of a partitioned model",

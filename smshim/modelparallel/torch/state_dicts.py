@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from . import tp_shard
 from .comm import CommGroup, allgather
 from .errors import SMPRuntimeError, SMPValidationError
 from .state import state
@@ -176,9 +177,11 @@ def model_state_dict(model: "DistributedModel", destination: Optional[Dict[str, 
             for k, v in sd.items():
                 if isinstance(v, torch.Tensor) and v.device.type != "cpu":
                     sd[k] = v.detach().cpu()
+        _gather_tp_shards(sd, model.module.state_dict(keep_vars=True), prefix)
     else:
         structure, keys = _local_entries(model)
         mine = {k: _to_cpu(structure[k]) for k in keys}
+        _gather_tp_shards(mine, structure)
         parts = allgather(mine, CommGroup.PP_GROUP)
         merged: Dict[str, Any] = {}
         for part in parts:
@@ -197,6 +200,19 @@ def model_state_dict(model: "DistributedModel", destination: Optional[Dict[str, 
         destination.update(sd)
         return destination
     return sd
+
+
+def _gather_tp_shards(sd: Dict[str, Any], structure: Dict[str, Any], prefix: str = "") -> None:
+    """Replace, in place, every tensor-parallel shard in `sd` by the full tensor gathered from
+    the TP group (a collective of the TP group when tp > 1: every TP rank calls it)."""
+    if state.topology.tp_size == 1:
+        return
+    splits = {prefix + k: tp_shard.split_of(v) for k, v in structure.items()
+              if tp_shard.is_sharded(v)}
+    mine = {k: v for k, v in sd.items() if k in splits and isinstance(v, torch.Tensor)}
+    parts = allgather(_to_cpu(mine), CommGroup.TP_GROUP)
+    for k in mine:
+        sd[k] = tp_shard.unshard([part[k] for part in parts], splits[k])
 
 
 def model_local_state_dict(model: "DistributedModel") -> Dict[str, Any]:
@@ -321,15 +337,64 @@ def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     sd = dopt.optimizer.state_dict()
     model = state.model
     if model is None or model._pp_size == 1 or not model.partitioned:
-        return _to_cpu(sd)
+        sd = _to_cpu(sd)
+        _gather_tp_optimizer_state(dopt, sd["state"])
+        return sd
     local = _local_indices(dopt)
     mine = {i: _to_cpu(v) for i, v in sd["state"].items() if i in local}
+    _gather_tp_optimizer_state(dopt, mine)
     merged: Dict[int, Any] = {}
     for part in allgather(mine, CommGroup.PP_GROUP):
         for i, v in part.items():
             merged.setdefault(i, v)
     return {"state": {i: merged[i] for i in sorted(merged)},
             "param_groups": _to_cpu(sd["param_groups"])}
+
+
+def _sharded_params(dopt: "DistributedOptimizer") -> Dict[int, torch.Tensor]:
+    """index -> parameter, for the tensor-parallel shards among the optimizer's parameters."""
+    params = [p for g in dopt.optimizer.param_groups for p in g["params"]]
+    out: Dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        if tp_shard.is_sharded(p):
+            out.setdefault(i, p)
+    return out
+
+
+def _gather_tp_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> None:
+    """Full tensors, in place, for the per-parameter state tensors shaped like a shard (e.g.
+    Adam's moments); a collective of the TP group when tp > 1."""
+    if state.topology.tp_size == 1:
+        return
+    sharded = _sharded_params(dopt)
+    mine = {(i, name): v for i, entry in st.items() if i in sharded
+            for name, v in entry.items()
+            if isinstance(v, torch.Tensor) and v.shape == sharded[i].shape and v.dim() > 0}
+    parts = allgather(mine, CommGroup.TP_GROUP)
+    for (i, name) in mine:
+        st[i][name] = tp_shard.unshard([part[(i, name)] for part in parts],
+                                       tp_shard.split_of(sharded[i]))
+
+
+def _shard_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> Dict[int, Any]:
+    """This rank's slices of the full per-parameter state tensors of tensor-parallel shards."""
+    topo = state.topology
+    if topo.tp_size == 1:
+        return st
+    out = {}
+    sharded = _sharded_params(dopt)
+    for i, entry in st.items():
+        p = sharded.get(i)
+        if p is None or not isinstance(entry, dict):
+            out[i] = entry
+            continue
+        split = tp_shard.split_of(p)
+        full = list(p.shape)
+        full[split.dim] *= topo.tp_size
+        out[i] = {name: (tp_shard.shard(v, split, topo.tp_rank, topo.tp_size)
+                         if isinstance(v, torch.Tensor) and list(v.shape) == full else v)
+                  for name, v in entry.items()}
+    return out
 
 
 def optimizer_local_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
@@ -366,6 +431,8 @@ def _apply_optimizer(dopt: "DistributedOptimizer", meta: Dict[str, Any],
     # torch's loader checks the group structure, casts state to each parameter's device/dtype
     # and replaces the wrapped optimizer's `state`/`param_groups` (which DistributedOptimizer
     # reads through, so lr schedulers keep working).
+    if not _is_partial(meta):
+        saved_state = _shard_optimizer_state(dopt, saved_state)
     dopt.optimizer.load_state_dict({"state": saved_state, "param_groups": body["param_groups"]})
 
 
