@@ -1,8 +1,6 @@
 """Small models for the tensor-parallel tests: each distributed model next to a plain torch
 module computing the same function, with the same state-dict keys."""
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,7 +87,7 @@ class LayerNet(nn.Module):
     """Embedding (plain), two transformer layers, a plain head."""
 
     def __init__(self, dist: bool, pre: bool = True, post: bool = False,
-                 causal: bool = True) -> None:
+                 causal: bool = True, n_layers: int = 2) -> None:
         super().__init__()
         import smdistributed.modelparallel.torch as smp
         self.emb = nn.Embedding(VOCAB, HIDDEN)
@@ -103,7 +101,7 @@ class LayerNet(nn.Module):
         else:
             def make():
                 return PlainLayer(pre, post, causal)
-        self.layers = nn.ModuleList([make(), make()])
+        self.layers = nn.ModuleList([make() for _ in range(n_layers)])
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids):
@@ -149,6 +147,27 @@ class GPT2(nn.Module):
         return self.lm(input_ids=ids).logits
 
 
+class LMHeadNet(nn.Module):
+    """smp.nn.DistributedTransformerLMHead (pre- and post-layernorm, causal, token types, tied
+    head). Its unsplit reference is the same class built where tensor_parallel_degree is 1 (the
+    single test process): same seed, same full tensors, no collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import smdistributed.modelparallel.torch as smp
+        self.lm = smp.nn.DistributedTransformerLMHead(
+            num_layers=2, num_attention_heads=HEADS, attention_head_size=HEAD_SIZE,
+            hidden_size=HIDDEN, intermediate_size=INTER, vocab_size=VOCAB, num_positions=SEQ,
+            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, num_token_types=2,
+            causal_mask_size=SEQ, pre_layernorm=True, post_layernorm=True)
+
+    def forward(self, ids):
+        types = (ids % 2).long()
+        mask = torch.zeros_like(ids)
+        mask[:, 0] = 1  # the first position is masked (1 = masked)
+        return self.lm((ids, mask, types, None, None))
+
+
 def make(kind, dist):
     torch.manual_seed(0)
     if kind == "linear":
@@ -157,12 +176,17 @@ def make(kind, dist):
         return LinearNet(False)
     if kind == "gpt2":
         return GPT2()
+    if kind == "lmhead":
+        return LMHeadNet()
+    if kind == "layer3":
+        return LayerNet(dist, n_layers=3)
     if kind == "layer_post":
         return LayerNet(dist, pre=False, post=True, causal=False)
     return LayerNet(dist)
 
 
-def reference(kind, steps=3, batch=8, lr=0.1):
+def reference(kind, steps=3, batch=8, lr=0.1, with_optimizer=False):
+    """Single-process training: the model's state dict (and the optimizer's)."""
     model = make(kind, dist=False)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -170,4 +194,5 @@ def reference(kind, steps=3, batch=8, lr=0.1):
         opt.zero_grad()
         loss_fn(kind, model(ids), y).backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (sd, opt.state_dict()) if with_optimizer else sd

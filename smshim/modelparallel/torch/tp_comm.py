@@ -28,12 +28,21 @@ whose consumers compute identical gradients on every rank the right backward is 
 slice; and the "identity forward, all-reduce backward" entry of a column-parallel region has no
 counterpart. So the four functions below are written against `torch.distributed` directly.
 
+Why collectives give up the compute lock. A pipeline rank runs one module at a time (the engine's
+ComputeLock), but a TP collective waits on the network for the peer's matching call. If TP rank 0
+runs microbatch 0's module while its peer runs microbatch 2's (their pipelines drive them at
+different times), each would hold its lock while waiting for a peer that needs its own lock to
+reach the matching call: a deadlock across ranks even with separate groups. So, like every other
+network wait of the engine, a collective releases this rank's compute lock while it waits and
+takes it back (same priority) afterwards (`set_compute_lock`, registered by the pipeline).
+
 During the partitioning trace (only global rank 0 runs the model, without gradients) no collective
 may be issued: each function then reproduces the collective's output shape locally.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -52,6 +61,7 @@ __all__ = ["create_groups", "current_group", "tp_world", "copy_to_tp", "reduce_f
 
 # Microbatch index -> this rank's TP process group for that microbatch.
 _mb_groups: Dict[int, Any] = {}
+_compute_lock: Any = None  # the pipeline's ComputeLock, when a pipeline runs on this rank
 _region = threading.local()
 
 
@@ -69,6 +79,17 @@ def create_groups(tp_groups: List[List[int]], my_group: List[int], microbatches:
                 _mb_groups[mb] = group
     logger.debug("created %d tensor-parallel groups per microbatch for %d microbatches",
                  len(tp_groups), microbatches)
+
+
+def set_compute_lock(lock: Any) -> None:
+    """The pipeline registers its ComputeLock (None when it closes); see the module docstring."""
+    global _compute_lock
+    _compute_lock = lock
+
+
+def _network_wait() -> Any:
+    lock = _compute_lock
+    return lock.released() if lock is not None else contextlib.nullcontext()
 
 
 def _ctx() -> Any:
@@ -100,7 +121,9 @@ def tp_world() -> Tuple[int, int]:
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous().clone()
     if tp_world()[1] > 1 and not tracing():
-        dist.all_reduce(x, group=current_group())
+        group = current_group()
+        with _network_wait():
+            dist.all_reduce(x, group=group)
     return x
 
 
@@ -112,7 +135,9 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     if tracing():
         return torch.cat([x] * size, dim=dim)
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=current_group())
+    group = current_group()
+    with _network_wait():
+        dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
