@@ -16,10 +16,16 @@ def _train(kind, cfg, auto=False, ckpt_dir=None, manual=None, delay=0.0, steps=3
     import smdistributed.modelparallel.torch as smp
 
     smp.init(cfg)
-    module = tp_models.make(kind, dist=True)
-    if auto:
+    if auto == "context":
+        # Created inside the context; one submodule opted out afterwards.
+        with smp.model_creation(tensor_parallelism=True):
+            module = tp_models.make(kind, dist=True)
+        smp.set_tensor_parallelism(module.mix, enabled=False)
+    elif auto:
+        module = tp_models.make(kind, dist=True)
         smp.set_tensor_parallelism(module)
     else:
+        module = tp_models.make(kind, dist=True)
         # The plain model's weights (same seed) load into the split one: each rank keeps its
         # shard.
         module.load_state_dict(tp_models.make(kind, dist=False).state_dict())
@@ -54,8 +60,13 @@ def _train(kind, cfg, auto=False, ckpt_dir=None, manual=None, delay=0.0, steps=3
     if ckpt_dir is not None:
         smp.save_checkpoint(ckpt_dir, "tp", partial=False, model=model, optimizer=opt)
     local = sum(p.numel() for p in model.local_parameters())
+    import torch.distributed as dist
+    groups = {"tp": smp.get_tp_group(), "rdp": smp.get_rdp_group(), "dp": smp.get_dp_group(),
+              "tp_size": smp.tp_size(), "rdp_rank": smp.rdp_rank(), "rdp_size": smp.rdp_size(),
+              "tp_pg_rank": dist.get_rank(smp.get_tp_process_group()),
+              "rdp_pg_rank": dist.get_rank(smp.get_rdp_process_group())}
     return {"full": full, "per_rank": per_rank, "local": local, "rank": smp.rank(),
-            "tp_rank": smp.tp_rank(), "distributed": distributed}
+            "tp_rank": smp.tp_rank(), "distributed": distributed, "groups": groups}
 
 
 def _check(results, kind):
@@ -106,6 +117,14 @@ def test_set_tensor_parallelism_linear_embedding():
     _check(results, "linear_auto")
 
 
+def test_model_creation_context_and_opt_out():
+    results = run_ranks(_train, 2, "linear_auto", {"tensor_parallel_degree": 2}, "context",
+                        timeout=120)
+    assert results[0]["distributed"] == ["DistributedEmbedding", "DistributedLinear",
+                                         "DistributedLinear"]  # `mix` opted out
+    _check(results, "linear_auto")
+
+
 def test_set_tensor_parallelism_hf_gpt2_tp2():
     results = run_ranks(_train, 2, "gpt2", {"tensor_parallel_degree": 2, "microbatches": 2},
                         True, timeout=180)
@@ -123,6 +142,14 @@ def test_tp2_dp2(prescaled):
            "prescaled_batch": prescaled}
     results = run_ranks(_train, 4, "layer", cfg, timeout=180)
     _check(results, "layer")
+    # Placement "cluster" (DPT): ranks 2d + t; TP pairs {0,1}, {2,3}; RDP pairs {0,2}, {1,3}.
+    for r in results:
+        g, rank = r["groups"], r["rank"]
+        assert g["tp"] == [rank - rank % 2, rank - rank % 2 + 1] and g["tp_size"] == 2
+        assert g["rdp"] == [rank % 2, rank % 2 + 2] and g["rdp_size"] == 2
+        assert g["dp"] == [0, 1, 2, 3]
+        assert r["tp_rank"] == g["tp_pg_rank"] == rank % 2
+        assert g["rdp_rank"] == g["rdp_pg_rank"] == rank // 2
 
 
 PP_TP = [
@@ -175,3 +202,42 @@ def test_full_checkpoint_pp2_tp2_loads_into_plain_model(tmp_path):
     with torch.no_grad():
         diff = (plain(ids) - trained(ids)).abs().max().item()
     assert diff < TOL, diff
+
+
+def _registered(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    MyMLP = tp_models.registered_mlp_class()
+    torch.manual_seed(0)
+    root = torch.nn.Sequential(MyMLP(tp_models.HIDDEN, tp_models.INTER))
+    smp.set_tensor_parallelism(root)
+    model = smp.DistributedModel(root)
+    x = torch.randn(4, tp_models.SEQ, tp_models.HIDDEN, generator=torch.Generator().manual_seed(5))
+
+    @smp.step
+    def fwd(model, x):
+        # A keyword argument reaches the forward_hook (Sequential would not pass it on).
+        return model.module[0](x, scale=0.5)
+
+    out = fwd(model, x).concat()
+    return {"type": type(model.module[0]).__name__, "out": out, "full": model.state_dict()}
+
+
+def test_tp_register_hooks():
+    """A registered user class is rebuilt as its distributed module (init_hook maps the
+    constructor arguments), called through forward_hook and return_hook, and computes what the
+    unsplit distributed module computes with the same (gathered) weights."""
+    import smdistributed.modelparallel.torch as smp
+
+    results = run_ranks(_registered, 2, {"tensor_parallel_degree": 2, "prescaled_batch": True},
+                        timeout=120)
+    assert results[0]["type"] == "DistributedTransformerOutputLayer"
+    args, kwargs = tp_models._mlp_init_hook(tp_models.HIDDEN, tp_models.INTER)
+    plain = smp.nn.DistributedTransformerOutputLayer(*args, **kwargs)  # unsplit: tp is 1 here
+    plain.load_state_dict({k[2:]: v for k, v in results[0]["full"].items()})  # drop "0."
+    x = torch.randn(4, tp_models.SEQ, tp_models.HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = plain(x * 0.5) * 2
+    for r in results:
+        assert (r["out"] - want).abs().max().item() < TOL

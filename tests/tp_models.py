@@ -196,3 +196,31 @@ def reference(kind, steps=3, batch=8, lr=0.1, with_optimizer=False):
         opt.step()
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return (sd, opt.state_dict()) if with_optimizer else sd
+
+
+def _mlp_init_hook(d, h):
+    return (), dict(hidden_size=d, intermediate_size=h, hidden_dropout_prob=0.0,
+                    pre_layernorm=True, post_layernorm=False)
+
+
+def _mlp_forward_hook(x, scale=1.0):
+    return (x * scale,), {}
+
+
+def registered_mlp_class():
+    """A user MLP registered (decorator form) to become a DistributedTransformerOutputLayer."""
+    import smdistributed.modelparallel.torch as smp
+
+    @smp.tp_register(smp.nn.DistributedTransformerOutputLayer, init_hook=_mlp_init_hook,
+                     forward_hook=_mlp_forward_hook, return_hook=lambda out: out * 2)
+    class MyMLP(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.ln = nn.LayerNorm(d)
+            self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+        def forward(self, x, scale=1.0):
+            x = x * scale
+            return 2 * (self.down(F.gelu(self.up(self.ln(x)))) + x)
+
+    return MyMLP
