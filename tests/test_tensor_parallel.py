@@ -136,6 +136,13 @@ def test_set_tensor_parallelism_hf_gpt2_tp2():
     _check(results, "gpt2")
 
 
+def test_set_tensor_parallelism_hf_gpt2_pp2_tp2():
+    """The GPT-2 blocks split in place also run as remote modules of a 2-stage pipeline."""
+    cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+    results = run_ranks(_train, 4, "gpt2", cfg, True, timeout=240)
+    _check(results, "gpt2")
+
+
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_tp2_dp2(prescaled):
     cfg = {"tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
@@ -241,3 +248,41 @@ def test_tp_register_hooks():
         want = plain(x * 0.5) * 2
     for r in results:
         assert (r["out"] - want).abs().max().item() < TOL
+
+
+def _partial_roundtrip(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    model = smp.DistributedModel(tp_models.make("layer", dist=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lsd = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+           for k, v in model.local_state_dict().items()}
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.zero_()
+    model.load_state_dict(lsd)  # this rank's shards back
+    full = model.state_dict()
+    wrong = dict(lsd)
+    wrong["_smp_tp_rank"] = 1 - smp.tp_rank()
+    try:
+        model.load_state_dict(wrong)
+        error = None
+    except smp.SMPValidationError as e:
+        error = str(e)
+    return {"full": full, "before": before, "error": error,
+            "tp_meta": (lsd["_smp_tp_size"], lsd["_smp_tp_rank"])}
+
+
+def test_partial_state_dict_roundtrip_tp2():
+    """A partial (local) state dict holds this rank's shards and says which; it loads back on the
+    same tp rank and is refused, naming both tp ranks, on another."""
+    results = run_ranks(_partial_roundtrip, 2, {"tensor_parallel_degree": 2}, timeout=120)
+    plain_keys = set(tp_models.make("layer", dist=False).state_dict())
+    for t, r in enumerate(results):
+        assert r["tp_meta"] == (2, t)
+        assert set(r["full"]) == plain_keys
+        assert sum(v.abs().sum() for v in r["before"].values()) > 0
+        for k, v in r["before"].items():
+            assert torch.equal(r["full"][k], v), k
+        assert r["error"] is not None and f"tp rank {1 - t}" in r["error"], r["error"]

@@ -140,7 +140,7 @@ class GPT2(nn.Module):
         from transformers import GPT2Config, GPT2LMHeadModel
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=2,
                          n_head=HEADS, n_inner=INTER, resid_pdrop=0.0, embd_pdrop=0.0,
-                         attn_pdrop=0.0)
+                         attn_pdrop=0.0, use_cache=False)
         self.lm = GPT2LMHeadModel(cfg)
 
     def forward(self, ids):

@@ -471,7 +471,8 @@ class DistributedModel(nn.Module):
     def state_dict(self, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:
         """The full model state, keys as the unwrapped module's, tensors on the CPU. With pp > 1
-        after partitioning it is gathered over the PP group: call it on every rank of the group."""
+        after partitioning it is gathered over the PP group, and with tensor parallelism the
+        shards over the TP group: call it on every rank of the MP group (rdp_rank 0)."""
         from . import state_dicts  # (imported here: state_dicts is this method's implementation)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars)
 

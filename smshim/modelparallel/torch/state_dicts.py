@@ -9,8 +9,9 @@ Partial model state (`local_state_dict()`): the entries of the full dict that th
 plus metadata keys
     `_smp_is_partial`: True, `_smp_pp_size`, `_smp_pp_rank`,
     `_smp_partition`: the module -> pp rank assignment it was saved under.
-A partial dict only loads on the same pp rank of a job with the same pp degree and partition;
-anything else raises, naming what it needs. Every rank compares the same metadata (the degree and
+With tensor parallelism also `_smp_tp_size`, `_smp_tp_rank` (a partial dict holds shards).
+A partial dict only loads on the same pp rank (and tp rank) of a job with the same degrees and
+partition; anything else raises, naming what it needs. Every rank compares the same metadata (the degree and
 the assignment are the same on all ranks), so every rank raises the same error instead of some
 ranks going on into a step that would wait for the ones that failed.
 
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 PARTIAL_KEY = "_smp_is_partial"
 PP_SIZE_KEY = "_smp_pp_size"
 PP_RANK_KEY = "_smp_pp_rank"
+TP_SIZE_KEY = "_smp_tp_size"  # only with tensor parallelism: a partial dict then holds shards
+TP_RANK_KEY = "_smp_tp_rank"
 PARTITION_KEY = "_smp_partition"
 _META_PREFIX = "_smp_"
 
@@ -96,6 +99,7 @@ def _pp() -> Tuple[int, int]:
 def _check_partial_meta(meta: Dict[str, Any], what: str) -> None:
     """A partial dict must come from this pp degree and this pp rank; say what it needs if not."""
     pp_size, pp_rank = _pp()
+    _check_partial_tp(meta, what)
     saved_size, saved_rank = meta.get(PP_SIZE_KEY), meta.get(PP_RANK_KEY)
     if saved_size is not None and int(saved_size) != pp_size:
         raise SMPValidationError(
@@ -110,6 +114,27 @@ def _check_partial_meta(meta: Dict[str, Any], what: str) -> None:
             f"{what}: this partial state dict belongs to pp rank {saved_rank}, but this rank is pp "
             f"rank {pp_rank}; each rank loads its own part (smp.load(f, partial=True) reads "
             f"f'{{f}}_{pp_rank}_0' on this rank)")
+
+
+def _check_partial_tp(meta: Dict[str, Any], what: str) -> None:
+    """A partial dict holds this rank's tensor-parallel shards: same tp degree and tp rank."""
+    topo = state.topology
+    saved_size = int(meta.get(TP_SIZE_KEY, 1))
+    saved_rank = int(meta.get(TP_RANK_KEY, 0))
+    if saved_size != topo.tp_size or saved_rank != topo.tp_rank:
+        raise SMPValidationError(
+            f"{what}: this partial state dict holds the shards of tp rank {saved_rank} at "
+            f"tensor_parallel_degree={saved_size}, but rank {topo.rank} is tp rank "
+            f"{topo.tp_rank} at tensor_parallel_degree={topo.tp_size}. Load the partial file "
+            f"saved for this tp rank (smp.load reads f'{{f}}_{{pp_rank}}_{{tp_rank}}'), run at "
+            f"tensor_parallel_degree={saved_size}, or load a full checkpoint")
+
+
+def _add_tp_meta(sd: Dict[str, Any]) -> None:
+    topo = state.topology
+    if topo.tp_size > 1:
+        sd[TP_SIZE_KEY] = topo.tp_size
+        sd[TP_RANK_KEY] = topo.tp_rank
 
 
 def _defer(model: "DistributedModel", apply: Any) -> None:
@@ -228,6 +253,7 @@ def model_local_state_dict(model: "DistributedModel") -> Dict[str, Any]:
     sd[PP_SIZE_KEY] = pp_size
     sd[PP_RANK_KEY] = pp_rank
     sd[PARTITION_KEY] = dict(model._assignment)
+    _add_tp_meta(sd)
     return sd
 
 
@@ -407,6 +433,7 @@ def optimizer_local_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     sd[PARTIAL_KEY] = True
     sd[PP_SIZE_KEY] = pp_size
     sd[PP_RANK_KEY] = pp_rank
+    _add_tp_meta(sd)
     return sd
 
 
