@@ -286,3 +286,38 @@ def test_partial_state_dict_roundtrip_tp2():
         for k, v in r["before"].items():
             assert torch.equal(r["full"][k], v), k
         assert r["error"] is not None and f"tp rank {1 - t}" in r["error"], r["error"]
+
+
+def _which_distributed(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 8)
+    head = torch.nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight  # tied: both stay whole
+    root = torch.nn.ModuleDict({
+        "odd": torch.nn.Linear(8, 5),  # 5 output features do not split in 2: stays whole
+        "even": torch.nn.Linear(8, 6),
+        "emb": emb, "head": head,
+        "outer": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+            torch.nn.Linear(4, 4))),
+    })
+    smp.set_tensor_parallelism(root)
+    smp.set_tensor_parallelism(root["outer"][1], enabled=False)
+    model = smp.DistributedModel(root)
+    return {n: type(m).__name__ for n, m in model.module.named_modules() if n}
+
+
+def test_which_modules_are_distributed():
+    types = run_ranks(_which_distributed, 2, {"tensor_parallel_degree": 2}, timeout=120)[0]
+    assert types["odd"] == "Linear" and types["even"] == "DistributedLinear"
+    assert types["emb"] == "Embedding" and types["head"] == "Linear"
+    assert types["outer.0"] == "DistributedLinear" and types["outer.1.0"] == "Linear"
+
+
+def test_fused_layer_norm_is_a_layernorm():
+    from smdistributed.modelparallel.torch.nn import FusedLayerNorm
+
+    ln = FusedLayerNorm(8, eps=1e-6)
+    assert isinstance(ln, torch.nn.LayerNorm) and ln.eps == 1e-6
