@@ -23,7 +23,7 @@ import logging
 import multiprocessing.util
 import os
 import threading
-from typing import Any, ContextManager, Dict, List, Mapping, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,8 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.state import require_init, state
 from smshim.modelparallel.torch.topology import Topology
+from smshim.modelparallel.torch import tensor_parallel as _tp
+from smshim.modelparallel.torch import tp_comm
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +181,11 @@ def init(config: Optional[Mapping[str, Any]] = None) -> None:
         topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.pipeline_parallel_degree,
                         cfg.tensor_parallel_degree, cfg.placement_strategy)
         groups, object_group, store = _create_groups(topo)
+        if topo.tp_size > 1:
+            # One TP group per microbatch (why: tp_comm's docstring); all ranks, same order.
+            tp_comm.create_groups(topo.all_groups(CommGroup.TP_GROUP),
+                                  topo.group(CommGroup.TP_GROUP), cfg.microbatches,
+                                  _runtime.timeout())
         state._set_initialized(cfg, topo, info, groups, object_group, store)
         # At exit, stop the pipeline (its transport's receivers) before the groups are destroyed.
         _runtime.before_teardown(state.reset)
@@ -331,25 +338,33 @@ def delay_param_initialization(enabled: bool = True) -> ContextManager[None]:
 def model_creation(tensor_parallelism: bool = False, dtype: Optional[torch.dtype] = None,
                    **tensor_parallel_config: Any) -> ContextManager[None]:
     """Context around model construction: modules created inside get floating-point parameters
-    of `dtype` (None: unchanged). The tensor-parallel options only configure tensor parallelism."""
-    if tensor_parallelism:
-        raise _unsupported("smp.model_creation(tensor_parallelism=True)", "tensor parallelism")
-    return mixed_precision.creation_dtype(dtype)
+    of `dtype` (None: unchanged) and, with `tensor_parallelism`, are marked for tensor
+    parallelism (`smp.tensor_parallelism`) configured by `tensor_parallel_config`."""
+    tp = (_tp.tensor_parallelism(True, **tensor_parallel_config) if tensor_parallelism
+          else contextlib.nullcontext())
+    return _both(mixed_precision.creation_dtype(dtype), tp)
+
+
+@contextlib.contextmanager
+def _both(first: ContextManager[None], second: ContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def tensor_parallelism(enabled: bool = True, **tensor_parallel_config: Any) -> ContextManager[None]:
-    """Context marking modules for tensor parallelism; only `enabled=False` (a no-op) works."""
-    if enabled:
-        raise _unsupported("smp.tensor_parallelism(enabled=True)", "tensor parallelism")
-    return contextlib.nullcontext()
+    """Context: modules created inside are distributed (enabled) or kept whole (not) when the
+    DistributedModel is created; the innermost context wins."""
+    return _tp.tensor_parallelism(enabled, **tensor_parallel_config)
 
 
 def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True,
                            **tensor_parallel_config: Any) -> None:
-    """Mark a module for tensor parallelism: only `enabled=False` (a no-op) is supported."""
-    if enabled:
-        raise _unsupported(f"smp.set_tensor_parallelism({type(module).__name__}, enabled=True)",
-                           "tensor parallelism")
+    """Mark `module` (and its submodules) for tensor parallelism, before DistributedModel."""
+    _tp.set_tensor_parallelism(module, enabled, **tensor_parallel_config)
+
+
+tp_register = _tp.tp_register
+tp_register_with_module = _tp.tp_register_with_module
 
 
 # ==================================================================================================

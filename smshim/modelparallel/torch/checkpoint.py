@@ -351,9 +351,9 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
 
     def write_full() -> None:
         msd = osd = None
-        if getattr(optimizer, "shards_state", False):  # gathered over the DP group: everyone
+        if getattr(optimizer, "shards_state", False):  # gathered over the replicas: everyone
             osd = optimizer.state_dict()
-        if topo.dp_rank == 0:  # the PP group of rank 0 gathers; other replicas hold copies
+        if topo.rdp_rank == 0:  # the MP group of rank 0 gathers; other replicas hold copies
             msd = model.state_dict() if model is not None else None
             if optimizer is not None and osd is None:
                 osd = optimizer.state_dict()

@@ -32,15 +32,18 @@ Dependencies and the choices made where SPEC leaves room:
 Adv keys (SPEC §3), decided one by one. Implemented: fp16 / bf16 (the model runs in that dtype,
 DistributedOptimizer keeps fp32 master weights and scales the loss; mixed_precision.py), fp16_params
 (needs fp16), shard_optimizer_state (needs ddp; optimizer_sharding.py); fp16 with bf16 is an error
-naming both. Rejected with SMPUnsupportedError (a NotImplementedError) naming the key when set to a
-non-default value, because accepting them would silently change the meaning of training:
-  tensor_parallel_degree > 1, sharded_data_parallel_degree > 1, horovod, offload_activations,
+naming both. tensor_parallel_degree (smp.nn, tensor_parallel.py) with prescaled_batch: false, the
+TP ranks of a group hold different batches that the distributed modules gather; true, they hold
+the same batch (with tp = 1 it changes nothing, since rdp == dp). Rejected with
+SMPUnsupportedError (a NotImplementedError) naming the key when set to a non-default value,
+because accepting them would silently change the meaning of training:
+  sharded_data_parallel_degree > 1, horovod, offload_activations,
   delayed_parameter_initialization.
 Accepted with any valid value, because they cannot change results here:
-  prescaled_batch (only distinguishes rdp from dp batch sharding, and with tp = 1 rdp == dp),
   skip_tracing (a partitioning-cost hint; any partition is correct), contiguous (our partitions
-  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (no
-  tensor-parallel parameters exist), activation_loading_horizon (only used with
+  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (smp.nn
+  shards are cut from a full initialisation drawn from torch's RNG, the same on ranks seeded
+  alike), activation_loading_horizon (only used with
   offload_activations, which is rejected).
 """
 
@@ -145,7 +148,6 @@ _NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
 
 # Adv keys rejected when not at their default: key -> what it would need.
 _UNSUPPORTED = {
-    "tensor_parallel_degree": "tensor parallelism",
     "sharded_data_parallel_degree": "sharded data parallelism",
     "horovod": "Horovod as the data-parallel engine (use \"ddp\": True)",
     "offload_activations": "activation offloading",

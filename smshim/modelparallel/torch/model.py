@@ -23,7 +23,8 @@ from . import activation_checkpointing, partitioner
 from .comm import CommGroup
 from .mixed_precision import cast_model, config_dtype
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
-                     MultipleDistributedModelError, SMPRuntimeError)
+                     MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
+from . import tensor_parallel, tp_comm, tp_shard
 from .pipeline import Pipeline
 from smshim._reducer import GradReducer
 from .server import ctx
@@ -63,6 +64,9 @@ class DistributedModel(nn.Module):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         super().__init__()
+        # Modules marked for tensor parallelism become their smp.nn versions now, before the
+        # optimizer (built from model.parameters()) and the partitioner see them.
+        module = tensor_parallel.distribute(module)
         # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py).
         cast_model(module, config_dtype(state.cfg))
         self.module = module
@@ -76,7 +80,9 @@ class DistributedModel(nn.Module):
         self._ddp_options = dict(bucket_cap_mb=bucket_cap_mb,
                                  gradient_as_bucket_view=gradient_as_bucket_view,
                                  find_unused_parameters=find_unused_parameters)
-        self._reducer: Optional[GradReducer] = None
+        self._reducer: Optional[GradReducer] = None  # the DP group's (join() uses it)
+        self._reducers: List[GradReducer] = []  # the DP group's and, with TP, the RDP group's
+        self._tp_params: List[nn.Parameter] = []
         self._comm_hook: Optional[Tuple[Any, Callable]] = None
         self._steps_done = 0
         self._joining, self._join_rounds = False, 0
@@ -338,22 +344,45 @@ class DistributedModel(nn.Module):
 
     # ---- data parallelism across pipeline replicas (ddp: true) -------------------------------
     def _setup_data_parallel(self) -> None:
-        """Make the replicas' copies of this partition identical and build its gradient reducer
-        (the same bucketed reducer as smdistributed.dataparallel's DistributedDataParallel)."""
+        """Make the replicas' copies of this partition identical and build its gradient reducers
+        (the same bucketed reducer as smdistributed.dataparallel's DistributedDataParallel).
+
+        With tensor parallelism the TP ranks of a stage hold different shards, so the parameters
+        of the smp.nn modules ("TP-managed", tp_shard.py) are made identical and averaged over
+        the RDP group (the ranks holding the same shard), the others over the DP group. Unless
+        prescaled_batch, a TP-managed gradient already sums the contributions of the TP group's
+        tp_size batches (the modules gather them), so it is divided by tp_size as well: both
+        kinds end as the average over all dp_size batches, as in single-process training."""
         topo = state.topology
         if topo.dp_size == 1:
             return
-        group = state.process_group(CommGroup.DP_GROUP)
-        src = topo.group(CommGroup.DP_GROUP)[0]
         named = list(self.local_named_parameters())
         buffers = list(self.local_named_buffers()) if self.broadcast_buffers else []
-        with torch.no_grad():
-            for _, t in named + buffers:
-                dist.broadcast(t.data, src, group=group)
-        self._reducer = GradReducer([p for _, p in named], group, names=[n for n, _ in named],
-                                    **self._ddp_options)
+        tp_named = [(n, p) for n, p in named if tp_shard.is_tp_managed(p)]
+        dp_named = [(n, p) for n, p in named if not tp_shard.is_tp_managed(p)]
+        kinds = [(CommGroup.DP_GROUP, dp_named + buffers, dp_named)]
+        if tp_named:
+            kinds.append((CommGroup.RDP_GROUP, tp_named, tp_named))
+        self._tp_params = [p for _, p in tp_named]
+        reducers: List[GradReducer] = []
+        self._reducer = None
+        for kind, tensors, params in kinds:
+            members = topo.group(kind)
+            if len(members) == 1 or not tensors:
+                continue
+            group = state.process_group(kind)
+            with torch.no_grad():
+                for _, t in tensors:
+                    dist.broadcast(t.data, members[0], group=group)
+            if params:
+                reducers.append(GradReducer([p for _, p in params], group,
+                                            names=[n for n, _ in params], **self._ddp_options))
+                if kind == CommGroup.DP_GROUP:
+                    self._reducer = reducers[-1]
+        self._reducers = reducers
         if self._comm_hook is not None:
-            self._reducer.register_comm_hook(*self._comm_hook)
+            for r in reducers:
+                r.register_comm_hook(*self._comm_hook)
         if self._pipeline is not None and self.overlapping_allreduce:
             # Each rank averages its gradients as soon as its own backward work for the step is
             # done, overlapping the other stages' backward (see Pipeline.on_local_backward_done).
@@ -362,12 +391,20 @@ class DistributedModel(nn.Module):
             self._pipeline.reduce_at_end = self._reduce_gradients_if_due
 
     def _reduce_gradients_if_due(self) -> None:
-        """Average local gradients over the DP group on every backward_passes_per_step-th step."""
-        if self._reducer is not None and (self._steps_done + 1) % self.backward_passes_per_step == 0:
-            if self._joining:
-                self._join_round(active=True)
-            else:
-                self._reducer.finalize()
+        """Average local gradients over the DP (RDP) group on every backward_passes_per_step-th
+        step."""
+        if (self._steps_done + 1) % self.backward_passes_per_step != 0:
+            return
+        if self._joining and self._reducer is not None:
+            self._join_round(active=True)
+        else:
+            for r in self._reducers:
+                r.finalize()
+        if self._tp_params and tp_comm.gathers_batch():
+            inv = 1.0 / state.topology.tp_size
+            for p in self._tp_params:
+                if p.grad is not None:
+                    p.grad.mul_(inv)
 
     def _join_round(self, active: bool) -> int:
         """One reduction round inside `join()`: agree on how many replicas still train, reduce
@@ -406,6 +443,11 @@ class DistributedModel(nn.Module):
         if state.topology.dp_size == 1:
             yield  # no data parallelism: nothing to even out
             return
+        if state.topology.tp_size > 1:
+            raise SMPUnsupportedError(
+                f"rank {state.topology.rank}: DistributedModel.join() with "
+                f"tensor_parallel_degree {state.topology.tp_size} is not supported by smshim; "
+                "give every data-parallel replica the same number of batches (drop_last=True)")
         self._joining, self._join_rounds = True, 0
         try:
             yield
@@ -436,14 +478,15 @@ class DistributedModel(nn.Module):
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook: a communication hook is already registered")
         self._comm_hook = (state_, hook)
-        if self._reducer is not None:
-            self._reducer.register_comm_hook(state_, hook)
+        for r in self._reducers:
+            r.register_comm_hook(state_, hook)
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:
         """The full model state, keys as the unwrapped module's, tensors on the CPU. With pp > 1
-        after partitioning it is gathered over the PP group: call it on every rank of the group."""
+        after partitioning it is gathered over the PP group, and with tensor parallelism the
+        shards over the TP group: call it on every rank of the MP group (rdp_rank 0)."""
         from . import state_dicts  # (imported here: state_dicts is this method's implementation)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars)
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import tp_comm
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
 from .server import ModuleServer, ctx
 from .structure import fill, flatten
@@ -52,6 +53,8 @@ class Pipeline:
         self.timeline = timeline
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
+        # Tensor-parallel collectives give the lock up while they wait (tp_comm.py says why).
+        tp_comm.set_compute_lock(self.lock)
         self.stages = len(ranks)
         self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
                                    device, deterministic)
@@ -233,6 +236,7 @@ class Pipeline:
             self.timeline.flush()
 
     def close(self) -> None:
+        tp_comm.set_compute_lock(None)
         self.server.remove_proxies()
         self.transport.shutdown()
         self.server.close()

@@ -9,8 +9,9 @@ Partial model state (`local_state_dict()`): the entries of the full dict that th
 plus metadata keys
     `_smp_is_partial`: True, `_smp_pp_size`, `_smp_pp_rank`,
     `_smp_partition`: the module -> pp rank assignment it was saved under.
-A partial dict only loads on the same pp rank of a job with the same pp degree and partition;
-anything else raises, naming what it needs. Every rank compares the same metadata (the degree and
+With tensor parallelism also `_smp_tp_size`, `_smp_tp_rank` (a partial dict holds shards).
+A partial dict only loads on the same pp rank (and tp rank) of a job with the same degrees and
+partition; anything else raises, naming what it needs. Every rank compares the same metadata (the degree and
 the assignment are the same on all ranks), so every rank raises the same error instead of some
 ranks going on into a step that would wait for the ones that failed.
 
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from . import tp_shard
 from .comm import CommGroup, allgather
 from .errors import SMPRuntimeError, SMPValidationError
 from .state import state
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 PARTIAL_KEY = "_smp_is_partial"
 PP_SIZE_KEY = "_smp_pp_size"
 PP_RANK_KEY = "_smp_pp_rank"
+TP_SIZE_KEY = "_smp_tp_size"  # only with tensor parallelism: a partial dict then holds shards
+TP_RANK_KEY = "_smp_tp_rank"
 PARTITION_KEY = "_smp_partition"
 _META_PREFIX = "_smp_"
 
@@ -95,6 +99,7 @@ def _pp() -> Tuple[int, int]:
 def _check_partial_meta(meta: Dict[str, Any], what: str) -> None:
     """A partial dict must come from this pp degree and this pp rank; say what it needs if not."""
     pp_size, pp_rank = _pp()
+    _check_partial_tp(meta, what)
     saved_size, saved_rank = meta.get(PP_SIZE_KEY), meta.get(PP_RANK_KEY)
     if saved_size is not None and int(saved_size) != pp_size:
         raise SMPValidationError(
@@ -109,6 +114,27 @@ def _check_partial_meta(meta: Dict[str, Any], what: str) -> None:
             f"{what}: this partial state dict belongs to pp rank {saved_rank}, but this rank is pp "
             f"rank {pp_rank}; each rank loads its own part (smp.load(f, partial=True) reads "
             f"f'{{f}}_{pp_rank}_0' on this rank)")
+
+
+def _check_partial_tp(meta: Dict[str, Any], what: str) -> None:
+    """A partial dict holds this rank's tensor-parallel shards: same tp degree and tp rank."""
+    topo = state.topology
+    saved_size = int(meta.get(TP_SIZE_KEY, 1))
+    saved_rank = int(meta.get(TP_RANK_KEY, 0))
+    if saved_size != topo.tp_size or saved_rank != topo.tp_rank:
+        raise SMPValidationError(
+            f"{what}: this partial state dict holds the shards of tp rank {saved_rank} at "
+            f"tensor_parallel_degree={saved_size}, but rank {topo.rank} is tp rank "
+            f"{topo.tp_rank} at tensor_parallel_degree={topo.tp_size}. Load the partial file "
+            f"saved for this tp rank (smp.load reads f'{{f}}_{{pp_rank}}_{{tp_rank}}'), run at "
+            f"tensor_parallel_degree={saved_size}, or load a full checkpoint")
+
+
+def _add_tp_meta(sd: Dict[str, Any]) -> None:
+    topo = state.topology
+    if topo.tp_size > 1:
+        sd[TP_SIZE_KEY] = topo.tp_size
+        sd[TP_RANK_KEY] = topo.tp_rank
 
 
 def _defer(model: "DistributedModel", apply: Any) -> None:
@@ -176,9 +202,11 @@ def model_state_dict(model: "DistributedModel", destination: Optional[Dict[str, 
             for k, v in sd.items():
                 if isinstance(v, torch.Tensor) and v.device.type != "cpu":
                     sd[k] = v.detach().cpu()
+        _gather_tp_shards(sd, model.module.state_dict(keep_vars=True), prefix)
     else:
         structure, keys = _local_entries(model)
         mine = {k: _to_cpu(structure[k]) for k in keys}
+        _gather_tp_shards(mine, structure)
         parts = allgather(mine, CommGroup.PP_GROUP)
         merged: Dict[str, Any] = {}
         for part in parts:
@@ -199,6 +227,19 @@ def model_state_dict(model: "DistributedModel", destination: Optional[Dict[str, 
     return sd
 
 
+def _gather_tp_shards(sd: Dict[str, Any], structure: Dict[str, Any], prefix: str = "") -> None:
+    """Replace, in place, every tensor-parallel shard in `sd` by the full tensor gathered from
+    the TP group (a collective of the TP group when tp > 1: every TP rank calls it)."""
+    if state.topology.tp_size == 1:
+        return
+    splits = {prefix + k: tp_shard.split_of(v) for k, v in structure.items()
+              if tp_shard.is_sharded(v)}
+    mine = {k: v for k, v in sd.items() if k in splits and isinstance(v, torch.Tensor)}
+    parts = allgather(_to_cpu(mine), CommGroup.TP_GROUP)
+    for k in mine:
+        sd[k] = tp_shard.unshard([part[k] for part in parts], splits[k])
+
+
 def model_local_state_dict(model: "DistributedModel") -> Dict[str, Any]:
     """This rank's entries of the full state dict, plus the partial-dict metadata."""
     model._require_partitioned("local_state_dict")
@@ -212,6 +253,7 @@ def model_local_state_dict(model: "DistributedModel") -> Dict[str, Any]:
     sd[PP_SIZE_KEY] = pp_size
     sd[PP_RANK_KEY] = pp_rank
     sd[PARTITION_KEY] = dict(model._assignment)
+    _add_tp_meta(sd)
     return sd
 
 
@@ -322,9 +364,12 @@ def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     sd = dopt._torch_state_dict(gather=True)
     model = state.model
     if model is None or model._pp_size == 1 or not model.partitioned:
-        return _to_cpu(sd)
+        sd = _to_cpu(sd)
+        _gather_tp_optimizer_state(dopt, sd["state"])
+        return sd
     local = _local_indices(dopt)
     mine = {i: _to_cpu(v) for i, v in sd["state"].items() if i in local}
+    _gather_tp_optimizer_state(dopt, mine)
     merged: Dict[int, Any] = {}
     for part in allgather(mine, CommGroup.PP_GROUP):
         for i, v in part.items():
@@ -332,6 +377,52 @@ def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     out = {"state": {i: merged[i] for i in sorted(merged)},
            "param_groups": _to_cpu(sd["param_groups"])}
     out.update({k: v for k, v in sd.items() if k.startswith(_META_PREFIX)})
+    return out
+
+
+def _sharded_params(dopt: "DistributedOptimizer") -> Dict[int, torch.Tensor]:
+    """index -> parameter, for the tensor-parallel shards among the optimizer's parameters."""
+    params = [p for g in dopt.optimizer.param_groups for p in g["params"]]
+    out: Dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        if tp_shard.is_sharded(p):
+            out.setdefault(i, p)
+    return out
+
+
+def _gather_tp_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> None:
+    """Full tensors, in place, for the per-parameter state tensors shaped like a shard (e.g.
+    Adam's moments); a collective of the TP group when tp > 1."""
+    if state.topology.tp_size == 1:
+        return
+    sharded = _sharded_params(dopt)
+    mine = {(i, name): v for i, entry in st.items() if i in sharded
+            for name, v in entry.items()
+            if isinstance(v, torch.Tensor) and v.shape == sharded[i].shape and v.dim() > 0}
+    parts = allgather(mine, CommGroup.TP_GROUP)
+    for (i, name) in mine:
+        st[i][name] = tp_shard.unshard([part[(i, name)] for part in parts],
+                                       tp_shard.split_of(sharded[i]))
+
+
+def _shard_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> Dict[int, Any]:
+    """This rank's slices of the full per-parameter state tensors of tensor-parallel shards."""
+    topo = state.topology
+    if topo.tp_size == 1:
+        return st
+    out = {}
+    sharded = _sharded_params(dopt)
+    for i, entry in st.items():
+        p = sharded.get(i)
+        if p is None or not isinstance(entry, dict):
+            out[i] = entry
+            continue
+        split = tp_shard.split_of(p)
+        full = list(p.shape)
+        full[split.dim] *= topo.tp_size
+        out[i] = {name: (tp_shard.shard(v, split, topo.tp_rank, topo.tp_size)
+                         if isinstance(v, torch.Tensor) and list(v.shape) == full else v)
+                  for name, v in entry.items()}
     return out
 
 
@@ -346,6 +437,7 @@ def optimizer_local_state_dict(dopt: "DistributedOptimizer",
     sd[PARTIAL_KEY] = True
     sd[PP_SIZE_KEY] = pp_size
     sd[PP_RANK_KEY] = pp_rank
+    _add_tp_meta(sd)
     return sd
 
 
@@ -370,6 +462,8 @@ def _apply_optimizer(dopt: "DistributedOptimizer", meta: Dict[str, Any],
     # torch's loader checks the group structure, casts state to each parameter's device/dtype
     # and replaces the wrapped optimizer's `state`/`param_groups` (which DistributedOptimizer
     # reads through, so lr schedulers keep working).
+    if not _is_partial(meta):
+        saved_state = _shard_optimizer_state(dopt, saved_state)
     dopt.optimizer.load_state_dict({"state": saved_state, "param_groups": body["param_groups"]})
 
 

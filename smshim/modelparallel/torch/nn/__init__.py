@@ -1,0 +1,24 @@
+"""`smp.nn` (also `smdistributed.modelparallel.torch.nn`): SageMaker's tensor-parallel modules.
+
+Each module's parameters are split over the ranks of its tensor-parallel group
+(`tensor_parallel_degree`), and it computes exactly what the unsplit module computes. Before
+`smp.init()`, or with tensor_parallel_degree 1, they hold the whole tensors and act as plain
+modules. How the collectives stay safe under the pipeline's concurrent microbatches:
+tp_comm.py. How parameters are split and gathered: tp_shard.py.
+"""
+
+from .base import DistributedModule
+from .layers import DistributedEmbedding, DistributedLinear, FusedLayerNorm
+from .transformer import (
+    DistributedAttentionLayer,
+    DistributedTransformer,
+    DistributedTransformerLayer,
+    DistributedTransformerLMHead,
+    DistributedTransformerOutputLayer,
+)
+
+__all__ = [
+    "DistributedModule", "DistributedLinear", "DistributedEmbedding", "DistributedTransformer",
+    "DistributedTransformerLayer", "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
+    "DistributedTransformerLMHead", "FusedLayerNorm",
+]

@@ -1,0 +1,226 @@
+"""Small models for the tensor-parallel tests: each distributed model next to a plain torch
+module computing the same function, with the same state-dict keys."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, HIDDEN, HEADS, HEAD_SIZE, INTER = 24, 6, 16, 4, 4, 32
+
+
+class LinearNet(nn.Module):
+    """Embedding (split), a replicated Linear, two Linears (split)."""
+
+    def __init__(self, dist: bool) -> None:
+        super().__init__()
+        import smdistributed.modelparallel.torch as smp
+        Lin = smp.nn.DistributedLinear if dist else nn.Linear
+        Emb = smp.nn.DistributedEmbedding if dist else nn.Embedding
+        self.emb = Emb(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)  # never distributed: replicated, averaged over DP
+        self.fc1 = Lin(8, 16)
+        self.fc2 = Lin(16, 4)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids).mean(dim=1)))
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+class PlainAttention(nn.Module):
+    def __init__(self, pre: bool, post: bool, causal: bool) -> None:
+        super().__init__()
+        inner = HEADS * HEAD_SIZE
+        self.query, self.key, self.value = (nn.Linear(HIDDEN, inner) for _ in range(3))
+        self.dense = nn.Linear(inner, HIDDEN)
+        self.pre, self.post, self.causal = pre, post, causal
+        if pre:
+            self.pre_layernorm_module = nn.LayerNorm(HIDDEN)
+        if post:
+            self.layernorm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, h, mask):
+        x = self.pre_layernorm_module(h) if self.pre else h
+        n, s, _ = x.shape
+
+        def heads(t):
+            return t.view(n, s, HEADS, HEAD_SIZE).transpose(1, 2)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        bias = mask.expand(n, 1, s, s)
+        if self.causal:
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            bias = bias.masked_fill(~causal, torch.finfo(x.dtype).min)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = self.dense(ctx.transpose(1, 2).reshape(n, s, -1)) + h
+        return self.layernorm(out) if self.post else out
+
+
+class PlainOutput(nn.Module):
+    def __init__(self, pre: bool, post: bool) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(HIDDEN, INTER)
+        self.dense_4h_to_h = nn.Linear(INTER, HIDDEN)
+        self.pre, self.post = pre, post
+        if pre:
+            self.pre_layernorm_module = nn.LayerNorm(HIDDEN)
+        if post:
+            self.layernorm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, h):
+        x = self.pre_layernorm_module(h) if self.pre else h
+        out = self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x))) + h
+        return self.layernorm(out) if self.post else out
+
+
+class PlainLayer(nn.Module):
+    def __init__(self, pre: bool, post: bool, causal: bool) -> None:
+        super().__init__()
+        self.attention = PlainAttention(pre, post, causal)
+        self.output = PlainOutput(pre, post)
+
+    def forward(self, inputs):
+        h, mask = inputs
+        return (self.output(self.attention(h, mask)), mask)
+
+
+class LayerNet(nn.Module):
+    """Embedding (plain), two transformer layers, a plain head."""
+
+    def __init__(self, dist: bool, pre: bool = True, post: bool = False,
+                 causal: bool = True, n_layers: int = 2) -> None:
+        super().__init__()
+        import smdistributed.modelparallel.torch as smp
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        if dist:
+            def make():
+                return smp.nn.DistributedTransformerLayer(
+                    num_attention_heads=HEADS, attention_head_size=HEAD_SIZE, hidden_size=HIDDEN,
+                    intermediate_size=INTER, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                    causal_mask_size=SEQ if causal else None, pre_layernorm=pre,
+                    post_layernorm=post)
+        else:
+            def make():
+                return PlainLayer(pre, post, causal)
+        self.layers = nn.ModuleList([make() for _ in range(n_layers)])
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        mask = torch.zeros(ids.shape[0], 1, 1, ids.shape[1])
+        mask[:, :, :, 0] = -1e4  # the first position is masked out (an additive mask)
+        for layer in self.layers:
+            h = layer((h, mask))[0]
+        return self.head(h)
+
+
+def data(kind, steps, batch, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        if kind.startswith("linear"):
+            y = torch.randn(batch, 4, generator=g)
+        else:
+            y = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append((ids, y))
+    return out
+
+
+def loss_fn(kind, out, y):
+    if kind.startswith("linear"):
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class GPT2(nn.Module):
+    """A tiny Hugging Face GPT-2 LM (built from a config, nothing downloaded) returning logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=2,
+                         n_head=HEADS, n_inner=INTER, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0, use_cache=False)
+        self.lm = GPT2LMHeadModel(cfg)
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids).logits
+
+
+class LMHeadNet(nn.Module):
+    """smp.nn.DistributedTransformerLMHead (pre- and post-layernorm, causal, token types, tied
+    head). Its unsplit reference is the same class built where tensor_parallel_degree is 1 (the
+    single test process): same seed, same full tensors, no collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import smdistributed.modelparallel.torch as smp
+        self.lm = smp.nn.DistributedTransformerLMHead(
+            num_layers=2, num_attention_heads=HEADS, attention_head_size=HEAD_SIZE,
+            hidden_size=HIDDEN, intermediate_size=INTER, vocab_size=VOCAB, num_positions=SEQ,
+            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, num_token_types=2,
+            causal_mask_size=SEQ, pre_layernorm=True, post_layernorm=True)
+
+    def forward(self, ids):
+        types = (ids % 2).long()
+        mask = torch.zeros_like(ids)
+        mask[:, 0] = 1  # the first position is masked (1 = masked)
+        return self.lm((ids, mask, types, None, None))
+
+
+def make(kind, dist):
+    torch.manual_seed(0)
+    if kind == "linear":
+        return LinearNet(dist)
+    if kind == "linear_auto":
+        return LinearNet(False)
+    if kind == "gpt2":
+        return GPT2()
+    if kind == "lmhead":
+        return LMHeadNet()
+    if kind == "layer3":
+        return LayerNet(dist, n_layers=3)
+    if kind == "layer_post":
+        return LayerNet(dist, pre=False, post=True, causal=False)
+    return LayerNet(dist)
+
+
+def reference(kind, steps=3, batch=8, lr=0.1, with_optimizer=False):
+    """Single-process training: the model's state dict (and the optimizer's)."""
+    model = make(kind, dist=False)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for ids, y in data(kind, steps, batch):
+        opt.zero_grad()
+        loss_fn(kind, model(ids), y).backward()
+        opt.step()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (sd, opt.state_dict()) if with_optimizer else sd
+
+
+def _mlp_init_hook(d, h):
+    return (), dict(hidden_size=d, intermediate_size=h, hidden_dropout_prob=0.0,
+                    pre_layernorm=True, post_layernorm=False)
+
+
+def _mlp_forward_hook(x, scale=1.0):
+    return (x * scale,), {}
+
+
+def registered_mlp_class():
+    """A user MLP registered (decorator form) to become a DistributedTransformerOutputLayer."""
+    import smdistributed.modelparallel.torch as smp
+
+    @smp.tp_register(smp.nn.DistributedTransformerOutputLayer, init_hook=_mlp_init_hook,
+                     forward_hook=_mlp_forward_hook, return_hook=lambda out: out * 2)
+    class MyMLP(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.ln = nn.LayerNorm(d)
+            self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+        def forward(self, x, scale=1.0):
+            x = x * scale
+            return 2 * (self.down(F.gelu(self.up(self.ln(x)))) + x)
+
+    return MyMLP
