@@ -63,7 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save_final_model", type=int, default=1)
     p.add_argument("--checkpoint-dir", type=str,
                    default=os.path.join(os.environ.get("SM_MODEL_DIR", "/tmp/gpt2_model")))
-    return p.parse_args()
+    args, _ = p.parse_known_args()  # SageMaker also passes --mp_parameters
+    return args
 
 
 # ---- data: the example's format (json.gz shards, one sample per line) ----------------------------
