@@ -56,8 +56,9 @@ from .state import state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["create_groups", "current_group", "tp_world", "copy_to_tp", "reduce_from_tp",
-           "gather_from_tp", "scatter_to_tp", "tracing", "region"]
+__all__ = ["create_groups", "set_compute_lock", "current_group", "tp_world", "copy_to_tp",
+           "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "tracing", "region",
+           "gathers_batch", "batch_in", "batch_out"]
 
 # Microbatch index -> this rank's TP process group for that microbatch.
 _mb_groups: Dict[int, Any] = {}
