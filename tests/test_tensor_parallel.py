@@ -321,3 +321,57 @@ def test_fused_layer_norm_is_a_layernorm():
 
     ln = FusedLayerNorm(8, eps=1e-6)
     assert isinstance(ln, torch.nn.LayerNorm) and ln.eps == 1e-6
+
+
+def _train_clipped(kind, cfg, manual, max_norm, steps=3, batch=8):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    module = tp_models.make(kind, dist=True)
+    module.load_state_dict(tp_models.make(kind, dist=False).state_dict())
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for name, pid in manual.items():
+        smp.set_partition(module.get_submodule(name), pid)
+
+    @smp.step
+    def train_step(model, ids, y):
+        loss = tp_models.loss_fn(kind, model(ids), y)
+        model.backward(loss)
+        return loss
+
+    norms = []
+    for ids, y in tp_models.data(kind, steps, batch):
+        opt.zero_grad()
+        train_step(model, ids, y)
+        norms.append(opt.clip_master_grads(max_norm))
+        opt.step()
+    full = model.state_dict() if smp.rdp_rank() == 0 else None
+    return {"full": full, "norms": norms, "rank": smp.rank()}
+
+
+def test_clip_master_grads_pp2_tp2_equals_clip_grad_norm():
+    """The global norm counts every shard once and every replicated parameter once, over both
+    stages and both TP ranks: the norm torch computes on the unsplit single-process model."""
+    cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+           "prescaled_batch": True, "auto_partition": False, "default_partition": 0}
+    max_norm = 0.05
+    results = run_ranks(_train_clipped, 4, "layer", cfg, {"layers.1": 1, "head": 1}, max_norm,
+                        timeout=240)
+    model = tp_models.make("layer", dist=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for ids, y in tp_models.data("layer", 3, 8):
+        opt.zero_grad()
+        tp_models.loss_fn("layer", model(ids), y).backward()
+        want.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+    assert min(want) > max_norm  # clipping happened at every step
+    for r in results:
+        assert len(r["norms"]) == 3
+        for got, w in zip(r["norms"], want):
+            assert abs(got - w) <= 1e-5 * w, (r["rank"], r["norms"], want)
+    ref = model.state_dict()
+    full = next(r["full"] for r in results if r["full"] is not None)
+    for k, v in ref.items():
+        assert (full[k] - v).abs().max().item() < TOL, k
