@@ -109,6 +109,12 @@ def test_transformer_lm_head_tp2_vs_unsplit():
     _check(results, "lmhead")
 
 
+def test_cross_attention_layer_tp2_vs_unsplit():
+    results = run_ranks(_train, 2, "cross", {"tensor_parallel_degree": 2, "microbatches": 2},
+                        timeout=120)
+    _check(results, "cross")
+
+
 def test_set_tensor_parallelism_linear_embedding():
     results = run_ranks(_train, 2, "linear_auto", {"tensor_parallel_degree": 2}, True,
                         timeout=120)

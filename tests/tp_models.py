@@ -38,15 +38,16 @@ class PlainAttention(nn.Module):
         if post:
             self.layernorm = nn.LayerNorm(HIDDEN)
 
-    def forward(self, h, mask):
+    def forward(self, h, mask, cross=None):
         x = self.pre_layernorm_module(h) if self.pre else h
         n, s, _ = x.shape
+        kv = x if cross is None else cross
 
         def heads(t):
-            return t.view(n, s, HEADS, HEAD_SIZE).transpose(1, 2)
+            return t.view(n, t.shape[1], HEADS, HEAD_SIZE).transpose(1, 2)
 
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        bias = mask.expand(n, 1, s, s)
+        q, k, v = heads(self.query(x)), heads(self.key(kv)), heads(self.value(kv))
+        bias = mask.expand(n, 1, s, kv.shape[1])
         if self.causal:
             causal = torch.ones(s, s, dtype=torch.bool).tril()
             bias = bias.masked_fill(~causal, torch.finfo(x.dtype).min)
@@ -56,8 +57,9 @@ class PlainAttention(nn.Module):
 
 
 class PlainOutput(nn.Module):
-    def __init__(self, pre: bool, post: bool) -> None:
+    def __init__(self, pre: bool, post: bool, act=F.gelu) -> None:
         super().__init__()
+        self.act = act
         self.dense_h_to_4h = nn.Linear(HIDDEN, INTER)
         self.dense_4h_to_h = nn.Linear(INTER, HIDDEN)
         self.pre, self.post = pre, post
@@ -68,7 +70,7 @@ class PlainOutput(nn.Module):
 
     def forward(self, h):
         x = self.pre_layernorm_module(h) if self.pre else h
-        out = self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x))) + h
+        out = self.dense_4h_to_h(self.act(self.dense_h_to_4h(x))) + h
         return self.layernorm(out) if self.post else out
 
 
@@ -168,6 +170,45 @@ class LMHeadNet(nn.Module):
         return self.lm((ids, mask, types, None, None))
 
 
+class PlainCrossLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = PlainAttention(False, True, False)
+        self.cross_attention = PlainAttention(False, True, False)
+        self.output = PlainOutput(False, True, act=F.relu)
+
+    def forward(self, inputs):
+        h, cross, mask, cross_mask = inputs
+        h = self.cross_attention(self.attention(h, mask), cross_mask, cross)
+        return (self.output(h),) + tuple(inputs[1:])
+
+
+class CrossNet(nn.Module):
+    """A DistributedTransformerLayer with cross attention (post-layernorm, relu) next to a plain
+    implementation."""
+
+    def __init__(self, dist: bool) -> None:
+        super().__init__()
+        import smdistributed.modelparallel.torch as smp
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        if dist:
+            self.layer = smp.nn.DistributedTransformerLayer(
+                num_attention_heads=HEADS, attention_head_size=HEAD_SIZE, hidden_size=HIDDEN,
+                intermediate_size=INTER, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                activation="relu", add_cross_attention=True)
+        else:
+            self.layer = PlainCrossLayer()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        cross = self.emb(ids.flip(1)) * 0.5
+        mask = torch.zeros(ids.shape[0], 1, 1, ids.shape[1])
+        cross_mask = mask.clone()
+        cross_mask[:, :, :, -1] = -1e4
+        return self.head(self.layer((h, cross, mask, cross_mask))[0])
+
+
 def make(kind, dist):
     torch.manual_seed(0)
     if kind == "linear":
@@ -176,6 +217,8 @@ def make(kind, dist):
         return LinearNet(False)
     if kind == "gpt2":
         return GPT2()
+    if kind == "cross":
+        return CrossNet(dist)
     if kind == "lmhead":
         return LMHeadNet()
     if kind == "layer3":
