@@ -217,6 +217,10 @@ def make(kind, dist):
         return LinearNet(False)
     if kind == "gpt2":
         return GPT2()
+    if kind == "gpt_neox":
+        return GPTNeoX()
+    if kind == "bert":
+        return Bert()
     if kind == "cross":
         return CrossNet(dist)
     if kind == "lmhead":
@@ -267,3 +271,49 @@ def registered_mlp_class():
             return 2 * (self.down(F.gelu(self.up(self.ln(x)))) + x)
 
     return MyMLP
+
+
+class GPTNeoX(nn.Module):
+    """A tiny Hugging Face GPT-NeoX LM (from a config, nothing downloaded) returning logits: eager
+    attention, rotary embeddings on half of each head, block 0 with the parallel residual and
+    block 1 with the sequential one, per-example position ids (so the rotary (cos, sin) pair is
+    per example too). `heads` other than HEADS builds the non-divisible variant."""
+
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN // HEADS * heads,
+                            num_hidden_layers=2, num_attention_heads=heads,
+                            intermediate_size=INTER, max_position_embeddings=2 * SEQ,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5},
+                            use_parallel_residual=True, tie_word_embeddings=False,
+                            attn_implementation="eager")
+        self.lm = GPTNeoXForCausalLM(cfg)
+        self.lm.gpt_neox.layers[1].use_parallel_residual = False
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).unsqueeze(0) + (ids[:, :1] % 2)
+        return self.lm(input_ids=ids, position_ids=pos).logits
+
+
+class Bert(nn.Module):
+    """A tiny Hugging Face BERT masked LM (from a config, nothing downloaded) returning logits:
+    sdpa attention, token types, and a padding mask that differs per example (so the attention
+    mask is per example and gathered with the batch)."""
+
+    def __init__(self, intermediate: int = INTER) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                         num_attention_heads=HEADS, intermediate_size=intermediate,
+                         max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        self.lm = BertForMaskedLM(cfg)
+
+    def forward(self, ids):
+        mask = torch.ones_like(ids)
+        mask[:, -1] = (ids[:, 0] % 2)  # odd first ids: the last position is padding
+        types = (ids % 2).long()
+        return self.lm(input_ids=ids, attention_mask=mask, token_type_ids=types).logits

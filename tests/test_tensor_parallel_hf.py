@@ -1,0 +1,66 @@
+"""Hugging Face GPT-NeoX and BERT blocks under `smp.set_tensor_parallelism` train exactly like
+single-process training of the same model (3 steps, parameters within 1e-5), and blocks whose
+mapping would not be exact stay whole."""
+
+import pytest
+import torch
+
+from smshim.testing import run_ranks
+from tests import tp_models
+from tests.test_tensor_parallel import _check, _train
+
+# Per model: the sharded projections of its two blocks.
+SHARDED = {"gpt_neox": 2 * 4, "bert": 2 * 6}
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "bert"])
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_set_tensor_parallelism_hf_tp2(kind, prescaled):
+    cfg = {"tensor_parallel_degree": 2, "microbatches": 2, "prescaled_batch": prescaled}
+    results = run_ranks(_train, 2, kind, cfg, True, timeout=240)
+    assert results[0]["distributed"].count("ShardedLinear") == SHARDED[kind]
+    _check(results, kind)
+    full = sum(v.numel() for v in tp_models.make(kind, dist=False).parameters())
+    assert all(r["per_rank"] < full for r in results)
+
+
+def test_set_tensor_parallelism_hf_gpt_neox_pp2_tp2():
+    """The GPT-NeoX blocks split in place also run as remote modules of a 2-stage pipeline."""
+    cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+    results = run_ranks(_train, 4, "gpt_neox", cfg, True, timeout=360)
+    _check(results, "gpt_neox")
+
+
+def _which_blocks(cfg):
+    import smdistributed.modelparallel.torch as smp
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    smp.init(cfg)
+    torch.manual_seed(0)
+    cross = BertLayer(BertConfig(hidden_size=16, num_attention_heads=4, intermediate_size=32,
+                                 is_decoder=True, add_cross_attention=True))
+    root = torch.nn.ModuleDict({
+        "neox_3_heads": tp_models.GPTNeoX(heads=3).lm.gpt_neox.layers[0],
+        "bert_inter_31": tp_models.Bert(intermediate=31).lm.bert.encoder.layer[0],
+        "bert_cross": cross,
+        "neox": tp_models.GPTNeoX().lm.gpt_neox.layers[0],
+        "bert": tp_models.Bert().lm.bert.encoder.layer[0],
+    })
+    smp.set_tensor_parallelism(root)
+    model = smp.DistributedModel(root)
+    return {n: type(m).__name__ for n, m in model.module.named_modules() if n}
+
+
+def test_blocks_not_exactly_splittable_stay_whole():
+    """3 heads or an intermediate size of 31 at tp=2, and a BERT block with cross attention,
+    stay whole: no projection inside them is split either. The divisible blocks next to them are
+    split."""
+    types = run_ranks(_which_blocks, 2, {"tensor_parallel_degree": 2}, timeout=120)[0]
+    for block in ("neox_3_heads", "bert_inter_31", "bert_cross"):
+        inside = {n: t for n, t in types.items() if n.startswith(block + ".")}
+        assert inside and not any(t.startswith(("Sharded", "Distributed"))
+                                  for t in inside.values()), inside
+    assert types["neox.attention.query_key_value"] == "ShardedLinear"
+    assert types["bert.attention.self.query"] == "ShardedLinear"
+    assert types["bert.output.dense"] == "ShardedLinear"
