@@ -25,10 +25,16 @@ def test_set_tensor_parallelism_hf_tp2(kind, prescaled):
 
 
 def test_set_tensor_parallelism_hf_gpt_neox_pp2_tp2():
-    """The GPT-NeoX blocks split in place also run as remote modules of a 2-stage pipeline."""
-    cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
-    results = run_ranks(_train, 4, "gpt_neox", cfg, True, timeout=360)
+    """The GPT-NeoX blocks split in place also run as remote modules of a 2-stage pipeline: block
+    1 and the head on stage 1, called with the (cos, sin) pair and the mask from stage 0."""
+    cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+           "auto_partition": False, "default_partition": 0}
+    manual = {"lm.gpt_neox.layers.1": 1, "lm.lm_head": 1}
+    results = run_ranks(_train, 4, "gpt_neox", cfg, True, None, manual, timeout=360)
     _check(results, "gpt_neox")
+    # Stage 1 (pp_rank 1: global ranks 2, 3) holds block 1's shards, not only the head's.
+    head = tp_models.VOCAB * tp_models.HIDDEN // 2
+    assert all(r["local"] > head for r in results if r["rank"] >= 2), results
 
 
 def _which_blocks(cfg):

@@ -277,7 +277,8 @@ class GPTNeoX(nn.Module):
     """A tiny Hugging Face GPT-NeoX LM (from a config, nothing downloaded) returning logits: eager
     attention, rotary embeddings on half of each head, block 0 with the parallel residual and
     block 1 with the sequential one, per-example position ids (so the rotary (cos, sin) pair is
-    per example too). `heads` other than HEADS builds the non-divisible variant."""
+    per example too). `heads` other than HEADS builds the non-divisible variant. Std 0.3 as in
+    Bert below."""
 
     def __init__(self, heads: int = HEADS) -> None:
         super().__init__()
@@ -289,7 +290,7 @@ class GPTNeoX(nn.Module):
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5},
                             use_parallel_residual=True, tie_word_embeddings=False,
-                            attn_implementation="eager")
+                            attn_implementation="eager", initializer_range=0.3)
         self.lm = GPTNeoXForCausalLM(cfg)
         self.lm.gpt_neox.layers[1].use_parallel_residual = False
 
@@ -301,7 +302,9 @@ class GPTNeoX(nn.Module):
 class Bert(nn.Module):
     """A tiny Hugging Face BERT masked LM (from a config, nothing downloaded) returning logits:
     sdpa attention, token types, and a padding mask that differs per example (so the attention
-    mask is per example and gathered with the batch)."""
+    mask is per example and gathered with the batch). Initialised with std 0.3 instead of 0.02:
+    attention scores of order 1 instead of 1e-3, so a wrong pairing of heads changes the result
+    well beyond the tolerance."""
 
     def __init__(self, intermediate: int = INTER) -> None:
         super().__init__()
@@ -309,7 +312,8 @@ class Bert(nn.Module):
         cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
                          num_attention_heads=HEADS, intermediate_size=intermediate,
                          max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+                         initializer_range=0.3)
         self.lm = BertForMaskedLM(cfg)
 
     def forward(self, ids):
