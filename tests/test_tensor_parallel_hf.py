@@ -51,7 +51,7 @@ def _which_blocks(cfg):
         "bert_inter_31": tp_models.Bert(intermediate=31).lm.bert.encoder.layer[0],
         "bert_cross": cross,
         "neox": tp_models.GPTNeoX().lm.gpt_neox.layers[0],
-        "bert": tp_models.Bert().lm.bert.encoder.layer[0],
+        "bert": tp_models.make("bert", dist=False).lm.bert.encoder.layer[0],
     })
     smp.set_tensor_parallelism(root)
     model = smp.DistributedModel(root)
@@ -70,3 +70,49 @@ def test_blocks_not_exactly_splittable_stay_whole():
     assert types["neox.attention.query_key_value"] == "ShardedLinear"
     assert types["bert.attention.self.query"] == "ShardedLinear"
     assert types["bert.output.dense"] == "ShardedLinear"
+
+
+def _mismatched_call(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    block = tp_models.make("bert", dist=False).lm.bert.encoder.layer[0]
+    root = torch.nn.ModuleDict({"layer": block})
+    smp.set_tensor_parallelism(root)
+    model = smp.DistributedModel(root)
+    layer = model.module["layer"]
+    torch.manual_seed(smp.tp_rank())
+    out = {"type": type(layer.attention.self.query).__name__}
+    # Same shapes on both ranks, a per-example mask on rank 1 only (rank 0's batch "has no
+    # padding"): rank 0 fills in the all-attend mask, and each rank gets its own rows of the
+    # unsplit layer's result.
+    h = torch.randn(2, tp_models.SEQ, tp_models.HIDDEN)
+    mask = None
+    if smp.tp_rank() == 1:
+        mask = torch.ones(2, 1, tp_models.SEQ, tp_models.SEQ, dtype=torch.bool)
+        mask[0, :, :, -1] = False
+    out["got"] = layer(h, mask).detach()
+    out["h"], out["mask"] = h, mask
+    # Different sequence lengths: an error naming the argument, not a hang in the gather.
+    try:
+        layer(torch.randn(2, tp_models.SEQ - smp.tp_rank(), tp_models.HIDDEN))
+        out["error"] = None
+    except smp.SMPRuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_tp_ranks_agree_on_what_they_gather():
+    """prescaled_batch false: a mask None on one TP rank and per-example on its peer is filled in
+    (BERT is bidirectional: None means attend everywhere); batches of different shapes raise an
+    error naming the argument instead of hanging in the gather."""
+    results = run_ranks(_mismatched_call, 2, {"tensor_parallel_degree": 2}, timeout=120)
+    assert results[0]["type"] == "ShardedLinear"
+    ref = tp_models.make("bert", dist=False).lm.bert.encoder.layer[0]
+    for r in results:
+        mask = r["mask"]
+        if mask is None:
+            mask = torch.ones(2, 1, tp_models.SEQ, tp_models.SEQ, dtype=torch.bool)
+        want = ref(r["h"], mask)
+        assert (r["got"] - want).abs().max().item() < 1e-5
+        assert r["error"] and "`hidden_states`" in r["error"], r["error"]
