@@ -116,3 +116,32 @@ def test_tp_ranks_agree_on_what_they_gather():
         want = ref(r["h"], mask)
         assert (r["got"] - want).abs().max().item() < 1e-5
         assert r["error"] and "`hidden_states`" in r["error"], r["error"]
+
+
+def _recorded_outputs(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    module = tp_models.make("gpt_neox", dist=False)
+    smp.set_tensor_parallelism(module)
+    model = smp.DistributedModel(module)
+    g = torch.Generator().manual_seed(10 + smp.tp_rank())  # each TP rank its own batch
+    ids = torch.randint(0, tp_models.VOCAB, (2, tp_models.SEQ), generator=g)
+    with torch.no_grad():
+        out = model.module.lm(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    return {"ids": ids, "attentions": [a.clone() for a in out.attentions],
+            "hidden": [h.clone() for h in out.hidden_states], "logits": out.logits.clone()}
+
+
+def test_recorded_attentions_and_hidden_states_tp2():
+    """`output_attentions` / `output_hidden_states` (eager GPT-NeoX, batches differing by TP rank)
+    return what the unsplit model returns for this rank's batch: all heads, this rank's rows."""
+    results = run_ranks(_recorded_outputs, 2, {"tensor_parallel_degree": 2}, timeout=120)
+    ref = tp_models.make("gpt_neox", dist=False).lm
+    for r in results:
+        with torch.no_grad():
+            want = ref(input_ids=r["ids"], output_attentions=True, output_hidden_states=True)
+        assert len(r["attentions"]) == len(want.attentions) == 2
+        for got, w in zip(r["attentions"] + r["hidden"] + [r["logits"]],
+                          list(want.attentions) + list(want.hidden_states) + [want.logits]):
+            assert got.shape == w.shape and (got - w).abs().max().item() < 1e-5

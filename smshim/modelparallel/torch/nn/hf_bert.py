@@ -38,6 +38,7 @@ from .hf_common import (
     all_attend_mask,
     elementwise_activation,
     gather_batch_forward,
+    gather_recorded_attention,
     is_hf_class,
     mark_replicated,
     only_parameters,
@@ -101,5 +102,6 @@ def distribute_block(block: nn.Module) -> Optional[nn.Module]:
     sa = block.attention.self
     sa.num_attention_heads //= size
     sa.all_head_size //= size
+    gather_recorded_attention(sa)
     mark_replicated(block.attention.output.LayerNorm, block.output.LayerNorm)
     return block

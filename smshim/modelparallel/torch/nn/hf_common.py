@@ -26,7 +26,7 @@ from .base import DistributedModule
 
 __all__ = ["is_hf_class", "ShardedConv1D", "ShardedLinear", "mark_replicated",
            "gather_batch_forward", "only_parameters", "elementwise_activation",
-           "all_attend_mask"]
+           "all_attend_mask", "gather_recorded_attention"]
 
 
 def is_hf_class(module: nn.Module, name: str) -> bool:
@@ -118,6 +118,35 @@ def mark_replicated(*modules: nn.Module) -> None:
     for m in modules:
         for p in m.parameters():
             tp_shard.mark(p, None)
+
+
+def gather_recorded_attention(attention: nn.Module) -> None:
+    """Make the attention weights a split attention module returns (its output[1], what
+    transformers records for `output_attentions`) those of all heads and this rank's rows, as the
+    unsplit module's: gathered over the TP ranks only while transformers is recording them (an
+    all-gather of [batch, heads, q, k] per layer is otherwise wasted: the blocks drop them)."""
+    attention.forward = functools.partial(_attention_forward, attention.forward)
+
+
+def _recording_attentions() -> bool:
+    # transformers' capture_outputs keeps what it records in a context variable; the TP ranks
+    # run the same code, so they agree on it.
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers layout: nothing recorded
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
+
+
+def _attention_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    out = forward(*args, **kwargs)
+    if (tp_comm.tp_world()[1] > 1 and isinstance(out, tuple) and len(out) > 1
+            and isinstance(out[1], torch.Tensor) and _recording_attentions()):
+        # Heads are dim 1; inside the block the batch is gathered unless prescaled_batch.
+        weights = tp_comm.batch_out(tp_comm.gather_from_tp(out[1], 1))
+        out = (out[0], weights) + tuple(out[2:])
+    return out
 
 
 # fill_none[name](tail_shape, dtype, n): a tensor of n examples that means to the block what the

@@ -23,7 +23,13 @@ from typing import Optional
 from torch import nn
 
 from .base import tp_rank_size
-from .hf_common import ShardedConv1D, gather_batch_forward, is_hf_class, mark_replicated
+from .hf_common import (
+    ShardedConv1D,
+    gather_batch_forward,
+    gather_recorded_attention,
+    is_hf_class,
+    mark_replicated,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,5 +59,6 @@ def distribute_block(block: nn.Module) -> Optional[nn.Module]:
     attn.split_size //= size
     mlp.c_fc = ShardedConv1D(mlp.c_fc, 1)
     mlp.c_proj = ShardedConv1D(mlp.c_proj, 0)
+    gather_recorded_attention(attn)
     mark_replicated(block.ln_1, block.ln_2)
     return block

@@ -39,6 +39,7 @@ from .hf_common import (
     ShardedLinear,
     elementwise_activation,
     gather_batch_forward,
+    gather_recorded_attention,
     is_hf_class,
     mark_replicated,
     only_parameters,
@@ -91,5 +92,6 @@ def distribute_block(block: nn.Module) -> Optional[nn.Module]:
     attn.dense = ShardedLinear(attn.dense, 1)
     mlp.dense_h_to_4h = ShardedLinear(mlp.dense_h_to_4h, 0)
     mlp.dense_4h_to_h = ShardedLinear(mlp.dense_4h_to_h, 1)
+    gather_recorded_attention(attn)
     mark_replicated(block.input_layernorm, block.post_attention_layernorm)
     return block
