@@ -10,10 +10,13 @@ from tests import tp_models
 from tests.test_tensor_parallel import _check, _train
 
 # Per model: the sharded projections of its two blocks.
-SHARDED = {"gpt_neox": 2 * 4, "bert": 2 * 6}
+SHARDED = {"gpt_neox": 2 * 4, "gpt_neox_sdpa": 2 * 4, "bert": 2 * 6}
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "bert"])
+# gpt_neox: eager attention, parallel and sequential residual, partial rotary, per-example
+# positions; gpt_neox_sdpa: the same with sdpa and padding in some microbatches (the TP ranks'
+# masks then differ in kind); bert: sdpa, token types, padding.
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt_neox_sdpa", "bert"])
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_set_tensor_parallelism_hf_tp2(kind, prescaled):
     cfg = {"tensor_parallel_degree": 2, "microbatches": 2, "prescaled_batch": prescaled}

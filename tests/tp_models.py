@@ -219,6 +219,8 @@ def make(kind, dist):
         return GPT2()
     if kind == "gpt_neox":
         return GPTNeoX()
+    if kind == "gpt_neox_sdpa":
+        return GPTNeoX(attn="sdpa")
     if kind == "bert":
         return Bert()
     if kind == "cross":
@@ -277,12 +279,13 @@ class GPTNeoX(nn.Module):
     """A tiny Hugging Face GPT-NeoX LM (from a config, nothing downloaded) returning logits: eager
     attention, rotary embeddings on half of each head, block 0 with the parallel residual and
     block 1 with the sequential one, per-example position ids (so the rotary (cos, sin) pair is
-    per example too). `heads` other than HEADS builds the non-divisible variant. Std 0.3 as in
-    Bert below."""
+    per example too). `heads` other than HEADS builds the non-divisible variant; attn="sdpa" the
+    sdpa variant with (right) padding in some examples. Std 0.3 as in Bert below."""
 
-    def __init__(self, heads: int = HEADS) -> None:
+    def __init__(self, heads: int = HEADS, attn: str = "eager") -> None:
         super().__init__()
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        self.pad = attn == "sdpa"
         cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN // HEADS * heads,
                             num_hidden_layers=2, num_attention_heads=heads,
                             intermediate_size=INTER, max_position_embeddings=2 * SEQ,
@@ -290,13 +293,19 @@ class GPTNeoX(nn.Module):
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5},
                             use_parallel_residual=True, tie_word_embeddings=False,
-                            attn_implementation="eager", initializer_range=0.3)
+                            attn_implementation=attn, initializer_range=0.3)
         self.lm = GPTNeoXForCausalLM(cfg)
         self.lm.gpt_neox.layers[1].use_parallel_residual = False
 
     def forward(self, ids):
         pos = torch.arange(ids.shape[1]).unsqueeze(0) + (ids[:, :1] % 2)
-        return self.lm(input_ids=ids, position_ids=pos).logits
+        mask = None
+        if self.pad:
+            # sdpa: a microbatch without padding gets no mask (causal), one with padding a
+            # per-example mask; the TP ranks' microbatches differ in that.
+            mask = torch.ones_like(ids)
+            mask[:, -1] = (ids[:, 0] % 2)  # odd first ids: the last position is padding
+        return self.lm(input_ids=ids, position_ids=pos, attention_mask=mask).logits
 
 
 class Bert(nn.Module):

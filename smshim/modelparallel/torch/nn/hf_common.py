@@ -26,7 +26,7 @@ from .base import DistributedModule
 
 __all__ = ["is_hf_class", "ShardedConv1D", "ShardedLinear", "mark_replicated",
            "gather_batch_forward", "only_parameters", "elementwise_activation",
-           "all_attend_mask", "gather_recorded_attention"]
+           "all_attend_mask", "sdpa_causal_mask", "gather_recorded_attention"]
 
 
 def is_hf_class(module: nn.Module, name: str) -> bool:
@@ -112,6 +112,25 @@ def all_attend_mask(tail: Tuple[int, ...], dtype: torch.dtype, n: int) -> torch.
     return torch.zeros((n,) + tuple(tail), dtype=dtype)
 
 
+def sdpa_causal_mask(config: Any) -> Filler:
+    """A `fill_none` filler for a causal block: what a None mask means to transformers' sdpa
+    attention (`is_causal` when more than one query, the keys cut to the queries' length; all
+    keys for one query). Other implementations (eager always gets a mask) give None: an error."""
+    def fill(tail: Tuple[int, ...], dtype: torch.dtype, n: int) -> Optional[torch.Tensor]:
+        if getattr(config, "_attn_implementation", None) != "sdpa" or len(tail) != 3:
+            return None
+        q, k = tail[-2], tail[-1]
+        allowed = torch.ones(q, k, dtype=torch.bool)
+        if q > 1:
+            allowed = allowed.tril()  # j <= i; keys from q on are cut by sdpa_attention_forward
+        allowed = allowed.expand((n,) + tuple(tail))
+        if dtype == torch.bool:
+            return allowed.clone()
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed,
+                                                                   torch.finfo(dtype).min)
+    return fill
+
+
 def mark_replicated(*modules: nn.Module) -> None:
     """Parameters of a distributed block that stay whole (LayerNorms): TP-managed all the same,
     because they are computed on the gathered batch (their gradients are averaged over RDP)."""
@@ -150,8 +169,8 @@ def _attention_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # fill_none[name](tail_shape, dtype, n): a tensor of n examples that means to the block what the
-# argument `name` being None means (see gather_batch_forward).
-Filler = Callable[[Tuple[int, ...], torch.dtype, int], torch.Tensor]
+# argument `name` being None means (see gather_batch_forward), or None where it cannot say.
+Filler = Callable[[Tuple[int, ...], torch.dtype, int], Optional[torch.Tensor]]
 
 
 def gather_batch_forward(block: nn.Module, fill_none: Optional[Dict[str, Filler]] = None) -> None:
@@ -229,15 +248,18 @@ def _gathered_forward(forward: Any, sig: inspect.Signature, fill_none: Dict[str,
             fillable = (key in fill_none and all(s == given[0] for s in given)
                         and len(given[0]) == 1 and isinstance(given[0][0], tuple)
                         and given[0][0][0] == "batch")
-            if not fillable:
+            filled = None
+            if fillable and mine[key] == [None]:
+                _, tail, dtype = given[0][0]
+                filled = fill_none[key](tail, getattr(torch, dtype.split(".")[-1]), n)
+            if not fillable or (mine[key] == [None] and filled is None):
                 raise SMPRuntimeError(
                     f"tensor parallelism: the TP ranks call {block_name} with different "
                     f"`{key}` (by tp_rank: {seen}); their batches must have the same shapes "
                     "and the model code must derive the same kinds of arguments from them "
                     "(or use prescaled_batch: true)")
-            if mine[key] == [None]:
-                _, tail, dtype = given[0][0]
-                named[key] = fill_none[key](tail, getattr(torch, dtype.split(".")[-1]), n)
+            if filled is not None:
+                named[key] = filled
 
         def gather(v: Any) -> Any:
             # Per-example tensors (first dimension = the local batch) are gathered; anything

@@ -18,7 +18,8 @@ attention implementation (eager, sdpa, flex) works per head from the tensors' sh
 config is not touched. `use_parallel_residual` either way: the MLP's input is either the block
 input or the post-attention residual, both complete (after the row-parallel all-reduce) on every
 rank. LayerNorms stay replicated. Unless prescaled_batch, the forward gathers the TP ranks'
-batches (including a per-example (cos, sin) pair) and returns this rank's rows.
+batches (including a per-example (cos, sin) pair) and returns this rank's rows; under sdpa, a TP
+rank whose batch has no padding (mask None: causal) while a peer's has passes the causal mask.
 
 Exact only when the heads and the intermediate size divide by tp_size, the block holds nothing
 but these projections and its LayerNorms (no parametrised activation such as PReLU, whose
@@ -43,6 +44,7 @@ from .hf_common import (
     is_hf_class,
     mark_replicated,
     only_parameters,
+    sdpa_causal_mask,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,8 @@ def distribute_block(block: nn.Module) -> Optional[nn.Module]:
     if reason is not None:
         logger.info("GPTNeoXLayer left undistributed: %s", reason)
         return None
-    gather_batch_forward(block)  # first: it may refuse the block
+    # First: it may refuse the block, which must then be unchanged.
+    gather_batch_forward(block, {"attention_mask": sdpa_causal_mask(block.attention.config)})
     attn, mlp = block.attention, block.mlp
     attn.query_key_value = ShardedLinear(attn.query_key_value, 0)
     attn.dense = ShardedLinear(attn.dense, 1)
