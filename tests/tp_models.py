@@ -217,6 +217,12 @@ def make(kind, dist):
         return LinearNet(False)
     if kind == "gpt2":
         return GPT2()
+    if kind == "gpt_neox":
+        return GPTNeoX()
+    if kind == "gpt_neox_sdpa":
+        return GPTNeoX(attn="sdpa")
+    if kind == "bert":
+        return Bert()
     if kind == "cross":
         return CrossNet(dist)
     if kind == "lmhead":
@@ -267,3 +273,60 @@ def registered_mlp_class():
             return 2 * (self.down(F.gelu(self.up(self.ln(x)))) + x)
 
     return MyMLP
+
+
+class GPTNeoX(nn.Module):
+    """A tiny Hugging Face GPT-NeoX LM (from a config, nothing downloaded) returning logits: eager
+    attention, rotary embeddings on half of each head, block 0 with the parallel residual and
+    block 1 with the sequential one, per-example position ids (so the rotary (cos, sin) pair is
+    per example too). `heads` other than HEADS builds the non-divisible variant; attn="sdpa" the
+    sdpa variant with (right) padding in some examples. Std 0.3 as in Bert below."""
+
+    def __init__(self, heads: int = HEADS, attn: str = "eager") -> None:
+        super().__init__()
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        self.pad = attn == "sdpa"
+        cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN // HEADS * heads,
+                            num_hidden_layers=2, num_attention_heads=heads,
+                            intermediate_size=INTER, max_position_embeddings=2 * SEQ,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5},
+                            use_parallel_residual=True, tie_word_embeddings=False,
+                            attn_implementation=attn, initializer_range=0.3)
+        self.lm = GPTNeoXForCausalLM(cfg)
+        self.lm.gpt_neox.layers[1].use_parallel_residual = False
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).unsqueeze(0) + (ids[:, :1] % 2)
+        mask = None
+        if self.pad:
+            # sdpa: a microbatch without padding gets no mask (causal), one with padding a
+            # per-example mask; the TP ranks' microbatches differ in that.
+            mask = torch.ones_like(ids)
+            mask[:, -1] = (ids[:, 0] % 2)  # odd first ids: the last position is padding
+        return self.lm(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+
+
+class Bert(nn.Module):
+    """A tiny Hugging Face BERT masked LM (from a config, nothing downloaded) returning logits:
+    sdpa attention, token types, and a padding mask that differs per example (so the attention
+    mask is per example and gathered with the batch). Initialised with std 0.3 instead of 0.02:
+    attention scores of order 1 instead of 1e-3, so a wrong pairing of heads changes the result
+    well beyond the tolerance."""
+
+    def __init__(self, intermediate: int = INTER) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                         num_attention_heads=HEADS, intermediate_size=intermediate,
+                         max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+                         initializer_range=0.3)
+        self.lm = BertForMaskedLM(cfg)
+
+    def forward(self, ids):
+        mask = torch.ones_like(ids)
+        mask[:, -1] = (ids[:, 0] % 2)  # odd first ids: the last position is padding
+        types = (ids % 2).long()
+        return self.lm(input_ids=ids, attention_mask=mask, token_type_ids=types).logits

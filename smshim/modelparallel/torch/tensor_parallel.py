@@ -11,8 +11,10 @@ marks `module` and everything below it (overwriting).
 Replacement (`distribute`, tensor_parallel_degree > 1). Walking the tree from the root, the first
 (outermost) module that is marked enabled and supported is replaced, and nothing below it is
 visited. Supported: torch.nn.Linear -> smp.nn.DistributedLinear, torch.nn.Embedding ->
-smp.nn.DistributedEmbedding (both keep the original weights: each rank takes its shard), a Hugging
-Face GPT2Block (distributed in place, nn/hf_gpt2.py), and classes registered with `tp_register`
+smp.nn.DistributedEmbedding (both keep the original weights: each rank takes its shard), the Hugging
+Face blocks GPT2Block, GPTNeoXLayer and BertLayer (distributed in place, keeping their weights:
+nn/hf_gpt2.py, nn/hf_gpt_neox.py, nn/hf_bert.py; a block whose mapping would not be exact stays
+whole, logged, and nothing inside it is distributed), and classes registered with `tp_register`
 (built by the distributed class's constructor from the recorded constructor arguments, as SageMaker
 does; their weights are the distributed module's own initialisation). A module that shares a
 parameter with a module outside it, appears twice in the tree, or whose sizes do not divide by
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from . import nn as smp_nn
-from .nn import hf_gpt2
+from .nn import hf_bert, hf_gpt2, hf_gpt_neox
 from .state import state
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,12 @@ class _Registration:
 
 
 _registry: Dict[type, _Registration] = {}
+# Hugging Face blocks distributed in place: (is this family's block, distribute it or None).
+_HF_BLOCKS: List[Tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Optional[nn.Module]]]] = [
+    (hf_gpt2.is_gpt2_block, hf_gpt2.distribute_block),
+    (hf_gpt_neox.is_gpt_neox_layer, hf_gpt_neox.distribute_block),
+    (hf_bert.is_bert_layer, hf_bert.distribute_block),
+]
 _contexts: List[Tuple[bool, Dict[str, Any]]] = []
 
 
@@ -204,8 +212,9 @@ def _convert(m: nn.Module, config: Dict[str, Any]) -> Optional[nn.Module]:
             return _convert_linear(m, config)
         if type(m) is nn.Embedding:
             return _convert_embedding(m, config)
-        if hf_gpt2.is_gpt2_block(m):
-            return hf_gpt2.distribute_block(m)
+        for is_block, distribute_block in _HF_BLOCKS:
+            if is_block(m):
+                return distribute_block(m)
     except ValueError as e:  # sizes not divisible by tp_size
         logger.info("%s stays undistributed: %s", type(m).__name__, e)
     return None
@@ -213,7 +222,7 @@ def _convert(m: nn.Module, config: Dict[str, Any]) -> Optional[nn.Module]:
 
 def _supported(m: nn.Module) -> bool:
     return (type(m) in _registry or type(m) in (nn.Linear, nn.Embedding)
-            or hf_gpt2.is_gpt2_block(m))
+            or any(is_block(m) for is_block, _ in _HF_BLOCKS))
 
 
 def _shares_weights(m: nn.Module, root: nn.Module, occurrences: Dict[int, int]) -> bool:
@@ -238,6 +247,9 @@ def distribute(root: nn.Module) -> nn.Module:
     for _, m in root.named_modules(remove_duplicate=False):
         occurrences[id(m)] = occurrences.get(id(m), 0) + 1
     replaced: List[str] = []
+    # Hugging Face blocks whose mapping was refused (logged by the mapping): they stay whole, so
+    # their nn.Linear projections are not distributed one by one either.
+    whole: set = set()
 
     def consider(m: nn.Module, name: str) -> Optional[nn.Module]:
         mark = m.__dict__.get(_MARK)
@@ -251,6 +263,8 @@ def distribute(root: nn.Module) -> nn.Module:
         if new is not None:
             new.__dict__["_smp_tp_done"] = True
             replaced.append(f"{name or '<root>'} ({type(m).__name__})")
+        elif any(is_block(m) for is_block, _ in _HF_BLOCKS):
+            whole.add(id(m))
         return new
 
     def visit(parent: nn.Module, prefix: str) -> None:
@@ -261,7 +275,8 @@ def distribute(root: nn.Module) -> nn.Module:
                 if new is not child:
                     setattr(parent, name, new)
                 continue
-            visit(child, full + ".")
+            if id(child) not in whole:
+                visit(child, full + ".")
 
     new_root = consider(root, "")
     if new_root is not None:

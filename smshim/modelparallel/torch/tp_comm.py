@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["create_groups", "set_compute_lock", "current_group", "tp_world", "copy_to_tp",
            "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "tracing", "region",
-           "gathers_batch", "batch_in", "batch_out"]
+           "gathers_batch", "batch_in", "batch_out", "agree"]
 
 # Microbatch index -> this rank's TP process group for that microbatch.
 _mb_groups: Dict[int, Any] = {}
@@ -150,6 +150,20 @@ def _my_chunk(x: torch.Tensor, dim: int) -> torch.Tensor:
                          f"tensor_parallel_degree {size} (rank {state.topology.rank})")
     k = n // size
     return x.narrow(dim, rank * k, k).contiguous()
+
+
+def agree(obj: Any) -> List[Any]:
+    """Every TP rank's `obj` (picklable, small), in tp_rank order, on the current microbatch's
+    group: lets the ranks check, before gathering their batches, that they are about to issue
+    the same collectives (a hang otherwise)."""
+    _, size = tp_world()
+    if size == 1 or tracing():
+        return [obj] * size
+    out: List[Any] = [None] * size
+    group = current_group()
+    with _network_wait():
+        dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):
