@@ -7,7 +7,7 @@ scripts make are exercised end to end:
 
     smshim run --distribution '{"smdistributed": {"modelparallel": {"enabled": true, "parameters":
         {"partitions": 2, "tensor_parallel_degree": 2, "ddp": true, "shard_optimizer_state": true,
-         "fp16": false, "bf16": true, "microbatches": 2}}},
+         "fp16": false, "bf16": true}}},
         "mpi": {"enabled": true, "processes_per_host": 8}}' \\
         --channel train=/tmp/gpt2_data examples/gpt2_aws_style.py --max_steps 12
 

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 
 def _distribution(procs: int, **params) -> str:
+    # The (and AWS's launch) parameters, plus what a test adds.
     params = {"partitions": 2, "ddp": True, "shard_optimizer_state": True, "fp16": False,
-              "bf16": True, "microbatches": 2, **params}
+              "bf16": True, **params}
     return json.dumps({"smdistributed": {"modelparallel": {"enabled": True, "parameters": params}},
                        "mpi": {"enabled": True, "processes_per_host": procs}})
 
@@ -71,5 +72,5 @@ def test_aws_gpt2_calls_pp2_tp2_dp2_on_8_processes(tmp_path):
 
 
 def test_aws_gpt2_calls_pp2_dp2_on_4_processes(tmp_path):
-    out = _run(tmp_path, 4, timeout=400)
+    out = _run(tmp_path, 4, timeout=400, microbatches=2)
     _check(tmp_path, out)
