@@ -195,11 +195,12 @@ def main() -> int:
     if args.save_final_model:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         model_state = model.local_state_dict()
-        opt_state = optimizer.local_state_dict(gather_if_shard=False)
-        if smp.rdp_rank() == 0:
+        gather_if_shard = False  # as the AWS script's default: each replica writes its shard
+        opt_state = optimizer.local_state_dict(gather_if_shard=gather_if_shard)
+        if smp.rdp_rank() == 0 or not gather_if_shard:  # v3: every replica has a shard
             smp.save({"model_state_dict": model_state, "optimizer_state_dict": opt_state},
                      os.path.join(args.checkpoint_dir, "trained_gpt_nparams"), partial=True,
-                     v3=not prescaled)
+                     v3=not gather_if_shard)
         full = model.state_dict()  # gathers pipeline stages and tensor-parallel shards
         if smp.rank() == 0:
             torch.save(full, os.path.join(args.checkpoint_dir, "full_model.pt"))

@@ -47,6 +47,13 @@ def _check(tmp_path, out: str) -> None:
     steps = re.findall(r"^step (\d+) loss ", out, re.M)
     assert steps == [str(i) for i in range(1, 11)], out[-4000:]
 
+    # smp.save(partial=True, v3=True): one file per (pp rank, tp rank, replica).
+    tp = 2 if "tp_rank 1 of group" in out else 1
+    saved = sorted(f for f in os.listdir(tmp_path / "out" / "model")
+                   if f.startswith("trained_gpt_nparams_"))
+    assert saved == sorted(f"trained_gpt_nparams_{pp}_{t}_{r}" for pp in range(2)
+                           for t in range(tp) for r in range(2)), saved
+
     # The gathered full state dict is a plain GPT-2's.
     from transformers import AutoModelForCausalLM, GPT2Config
 
