@@ -293,6 +293,9 @@ class GradReducer:
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             self._on_grad_ready(i)
+        # The pipeline's fused weight gradients (modelparallel weight_grad.py) may skip this hook:
+        # under the pipeline the reducer is never armed and reduces `.grad` at the step's end.
+        hook._smshim_reducer = True  # type: ignore[attr-defined]
         return hook
 
     def _reset_round(self) -> None:

@@ -151,6 +151,85 @@ def test_glue_code_across_stages_without_prediction():
     _check_glue(run_ranks(_glue_train, 3, "interleaved", timeout=180, env={"SMSHIM_PREDICT": "0"}))
 
 
+def test_glue_code_across_stages_without_fused_weight_grads():
+    _check_glue(run_ranks(_glue_train, 3, "interleaved", timeout=180,
+                          env={"SMSHIM_FUSED_WGRAD": "0"}))
+
+
+# ---- a stage whose input gradient nobody needs ----------------------------------------------
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.3)  # pp_rank 0 has long finished the step by now
+        return g
+
+
+class _SlowLinear(nn.Linear):
+    def forward(self, x):
+        return _SlowBackward.apply(super().forward(x))
+
+
+class FirstOnRank1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _SlowLinear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _first_on_rank1_batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(3)]
+
+
+def _first_on_rank1():
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = FirstOnRank1()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.a, 1)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in _first_on_rank1_batches():
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.local_named_parameters()}
+
+
+def test_stage_whose_input_gradient_nobody_needs_finishes_its_backward_in_the_step():
+    """The first stage (on rank 1) sends no gradient back, so pp_rank 0 ends the step while its
+    backward still runs; rank 1 must finish it before its step ends (and before reducing)."""
+    torch.manual_seed(0)
+    ref = FirstOnRank1()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _first_on_rank1_batches():
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    got = {}
+    for r in run_ranks(_first_on_rank1, 2, timeout=120):
+        got.update(r)
+    for n, p in ref.named_parameters():
+        assert (got[n] - p.detach()).abs().max().item() < TOL, n
+
+
 # ---- a 4-stage chain: who sends what to whom -----------------------------------------------
 
 class LossStage(nn.Module):

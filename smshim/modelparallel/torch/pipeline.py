@@ -209,6 +209,9 @@ class Pipeline:
         if msg.kind != STEP_END:
             self.transport.check()
             raise PipelineError(str(msg.meta))
+        # pp_rank 0 may end the step while a backward it did not need a result from (a stage
+        # whose inputs need no gradient) still runs here: its gradients must be in first.
+        self.server.wait_idle(step)
         self._finish(step)
         return fill(msg.meta, msg.tensors)
 
@@ -228,6 +231,7 @@ class Pipeline:
             self.reduce_at_end()
 
     def _finish(self, step: int) -> None:
+        self.server.flush_weight_grads()
         self._reduce()
         self.server.end_step()
         self.transport.close_session(step)

@@ -31,12 +31,17 @@ Each rank runs one module forward or backward at a time (the ComputeLock, by sch
 a request first waits (without the lock) for its inputs, and a thread gives the lock up while it
 waits on the network, so nested calls and several microbatches in flight never deadlock. Under
 `interleaved`, a rank other than 0 starts the forward of a new microbatch only while it holds
-fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order.
+fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order. A request made
+ready by the one a thread is serving (the next module of the chain) runs next on that thread, and
+results leave for other ranks before the lock is given up: no thread wake-up on the critical path.
+Each rank's linear layers add their weight gradients in place across microbatches
+(weight_grad.py); the step's end hands them over as `.grad` before any reduction.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -51,6 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import weight_grad
 from .remote_tensor import RemoteTensor, _Cell
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
 from .structure import fill, flatten
@@ -78,6 +84,7 @@ class _Context(threading.local):
 
 
 ctx = _Context()
+_serving = threading.local()  # .chain: requests made ready by the one this thread serves
 
 
 # ---- caller side ---------------------------------------------------------------------------
@@ -158,6 +165,9 @@ class ModuleServer:
         # no graph is left): lets data parallelism start reducing early.
         self.on_local_backward_done: Optional[Callable[[], None]] = None
         self._real_forward: Dict[str, Callable[..., Any]] = {}
+        # This rank's linear layers add each microbatch's weight gradient in place (weight_grad.py).
+        self.weight_grads = weight_grad.WeightGradAccumulator()
+        self._fused: list = []
         # Functions served under names that are not modules (activation checkpointing's
         # "<module>#ckpt..." units): name -> callable, built on first use by this factory.
         self.function_factory: Optional[Callable[[str], Optional[Callable[..., Any]]]] = None
@@ -189,6 +199,10 @@ class ModuleServer:
         """Route calls: modules owned elsewhere go to their owner; on pp_rank 0, the modules the
         root's glue code calls directly become local regions, so that glue (which runs in the
         microbatch threads) never holds the compute lock."""
+        if not self._fused:
+            self._fused = weight_grad.install(
+                self.modules, lambda name: self.assignment.get(name, 0) == self.me,
+                self.weight_grads)
         for name, module in self.modules.items():
             self._real_forward.setdefault(name, module.forward)
         regions = set(_glue_callees(self.root, self.assignment)) if self.me == 0 else set()
@@ -204,6 +218,8 @@ class ModuleServer:
                 self._proxy_ids.add(id(module))
 
     def remove_proxies(self) -> None:
+        weight_grad.uninstall(self._fused)
+        self._fused = []
         for module in self._proxies:
             module.__dict__.pop("forward", None)
             previous = self._instance_forward.pop(id(module), None)
@@ -227,7 +243,7 @@ class ModuleServer:
             raise KeyError(f"pp rank {self.me} has no module or function named {name!r}")
         return fn
 
-    # Messages (on a transport receiver thread: never sends, never waits) --------------------
+    # Messages (on a transport receiver thread: never waits; sends only queue) ------------
     def dispatch(self, msg: Message) -> None:
         kind = msg.kind
         if kind == VALUE:
@@ -247,12 +263,12 @@ class ModuleServer:
             # A request takes a thread only once what it needs is here (its forward, for a
             # backward, and every value sent by reference), so requests queued far ahead of
             # their inputs never exhaust the pool.
-            self.store.when_ready(_needs(msg), lambda: self._pool.submit(self._serve, msg))
+            self.store.when_ready(_needs(msg), lambda: self._ready(msg))
         elif kind in (SEND_TO, FETCH):
             key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
             value = self.store.want(key, dst)
-            if value is not None:
-                self._pool.submit(self._send_value, dst, key, value, msg.microbatch, msg.step)
+            if value is not None:  # (sending only queues: it never waits)
+                self._send_value(dst, key, value, msg.microbatch, msg.step)
         elif kind == FWD_REPLY:
             with self._replies_lock:
                 box = self._replies.get(msg.call_id)
@@ -516,6 +532,31 @@ class ModuleServer:
             self._replies.pop(call_id, None)
 
     # Owner side ----------------------------------------------------------------------------
+    def _ready(self, msg: Message) -> None:
+        """A request's inputs are all here. Made ready by a request served on this thread (its
+        output is the next module's input): run it on this thread next, as a stream runs its next
+        kernel; waking a pool thread costs milliseconds when the cores are busy. Else (a receiver
+        thread) on a pool thread."""
+        chain = getattr(_serving, "chain", None)
+        if chain is not None:
+            chain.append(msg)
+        else:
+            self._pool.submit(self._serve_chain, msg)
+
+    def _serve_chain(self, msg: Message) -> None:
+        _serving.chain = chain = []
+        try:
+            while True:
+                self._serve(msg)
+                if not chain:
+                    return
+                msg = chain.pop(0)
+                for other in chain:  # more than one became ready: the others in parallel
+                    self._pool.submit(self._serve_chain, other)
+                chain.clear()
+        finally:
+            _serving.chain = None
+
     def _serve(self, msg: Message) -> None:
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
         if self.timeline.enabled:  # when a request got its thread (its inputs were all here)
@@ -556,26 +597,29 @@ class ModuleServer:
         what = f"an input of the {self._what(msg, 'forward')}"
         tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         template = pickle.loads(template_bytes)
-        out_template, outs, out_rg = self._execute_forward(
-            msg.src, msg.call_id, msg.module, msg.step, msg.microbatch, template, tensors,
-            requires, grad_enabled)
-        metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]
-        if expect is not None and _expectation(out_template, metas) != expect:
-            expected = pickle.loads(expect)
-            raise PipelineError(
-                f"module '{msg.module}' (microbatch {msg.microbatch}, step {msg.step}) returned "
-                f"{_describe(out_template, metas)}, but for inputs of the same shapes it returned "
-                f"{_describe(*expected)} before. smshim runs modules on other ranks ahead of "
-                "the caller, predicting their outputs' structure and shapes from the input shapes; "
-                f"for a module whose outputs depend on input values, set {PREDICT_ENV}=0")
-        outs = [t.detach() for t in outs]
-        if reply is not None:
-            self.transport.send(msg.src, Message(
-                FWD_REPLY, msg.step, msg.microbatch, msg.call_id, msg.module,
-                meta=(out_template, metas), tensors=outs if reply == "data" else []))
-        if reply != "data":  # handles on the caller: keep the values for whoever needs them
-            for i, t in enumerate(outs):
-                self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
+
+        def deliver(out_template, outs, out_rg) -> None:
+            metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]
+            if expect is not None and _expectation(out_template, metas) != expect:
+                expected = pickle.loads(expect)
+                raise PipelineError(
+                    f"module '{msg.module}' (microbatch {msg.microbatch}, step {msg.step}) "
+                    f"returned {_describe(out_template, metas)}, but for inputs of the same "
+                    f"shapes it returned {_describe(*expected)} before. smshim runs modules on "
+                    "other ranks ahead of the caller, predicting their outputs' structure and "
+                    "shapes from the input shapes; for a module whose outputs depend on input "
+                    f"values, set {PREDICT_ENV}=0")
+            outs = [t.detach() for t in outs]
+            if reply is not None:
+                self.transport.send(msg.src, Message(
+                    FWD_REPLY, msg.step, msg.microbatch, msg.call_id, msg.module,
+                    meta=(out_template, metas), tensors=outs if reply == "data" else []))
+            if reply != "data":  # handles on the caller: keep the values for whoever needs them
+                for i, t in enumerate(outs):
+                    self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
+
+        self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
+                              template, tensors, requires, grad_enabled, deliver)
         self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
     def _serve_backward(self, msg: Message) -> None:
@@ -589,23 +633,26 @@ class ModuleServer:
                 while self._turn != msg.ticket:
                     self._cond.wait(timeout=1.0)
                     self.transport.check()
+
+        def deliver(in_grads) -> None:
+            for i, g in enumerate(in_grads):
+                if g is None:
+                    continue
+                key = (msg.src, msg.call_id, "igrad", i)
+                if i in push:
+                    self.transport.send(msg.src, Message(VALUE, msg.step, msg.microbatch,
+                                                         module=msg.module, meta=key, tensors=[g]))
+                else:
+                    self._keep(key, g, msg.microbatch, msg.step)
+
         try:
-            in_grads = self._execute_backward(msg.src, msg.call_id, msg.module, msg.step,
-                                              msg.microbatch, grads)
+            self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
+                                   grads, deliver)
         finally:
             if self.deterministic:
                 with self._cond:
                     self._turn += 1
                     self._cond.notify_all()
-        for i, g in enumerate(in_grads):
-            if g is None:
-                continue
-            key = (msg.src, msg.call_id, "igrad", i)
-            if i in push:
-                self.transport.send(msg.src, Message(VALUE, msg.step, msg.microbatch,
-                                                     module=msg.module, meta=key, tensors=[g]))
-            else:
-                self._keep(key, g, msg.microbatch, msg.step)
 
     def _keep(self, key, value: torch.Tensor, mb: int, step: int) -> None:
         """Hold a value for peers; send it to those who asked for it already."""
@@ -614,37 +661,45 @@ class ModuleServer:
 
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
-                         grad_enabled: bool):
-        """Run module `name` on inputs cut from the caller's graph; keep the graph for backward."""
+                         grad_enabled: bool, deliver: Optional[Callable[..., None]] = None):
+        """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
+        `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
+        results on their way to another rank leave now, not after the next module here has
+        taken the core (and the GIL)."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                            lambda: self._more_regions(FORWARD, mb)), \
-                self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
-                                   caller=caller), \
-                torch.set_grad_enabled(grad_enabled):
-            args, kwargs = fill(template, inputs)
-            out = self.real_forward(name)(*args, **kwargs)
-        out_template, outs = flatten(out)
-        if caller != self.me:
-            # A region's results leave this rank as values (handles live on pp_rank 0 only).
-            outs = [self._real(t) for t in outs]
-        out_rg = [grad_enabled and t.requires_grad for t in outs]
-        if any(out_rg):
-            with self._cond:
-                self._forward_microbatches.add(mb)
-                self._saved[(caller, call_id)] = (inputs, outs, mb)
-                self._graphs[mb] += 1
-                # Microbatches whose activations this rank holds now (for the memory benchmark).
-                live = len({saved[2] for saved in self._saved.values()})
-                self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+                            lambda: self._more_regions(FORWARD, mb)):
+            with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
+                                    caller=caller), \
+                    torch.set_grad_enabled(grad_enabled):
+                args, kwargs = fill(template, inputs)
+                out = self.real_forward(name)(*args, **kwargs)
+            out_template, outs = flatten(out)
+            if caller != self.me:
+                # A region's results leave this rank as values (handles live on pp_rank 0 only).
+                outs = [self._real(t) for t in outs]
+            out_rg = [grad_enabled and t.requires_grad for t in outs]
+            if any(out_rg):
+                with self._cond:
+                    self._forward_microbatches.add(mb)
+                    self._saved[(caller, call_id)] = (inputs, outs, mb)
+                    self._graphs[mb] += 1
+                    # Microbatches whose activations this rank holds (for the memory benchmark).
+                    live = len({saved[2] for saved in self._saved.values()})
+                    self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+            if deliver is not None:
+                deliver(out_template, outs, out_rg)
         return out_template, outs, out_rg
 
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
-                          grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+                          grads: List[Optional[torch.Tensor]],
+                          deliver: Optional[Callable[[list], None]] = None
+                          ) -> List[Optional[torch.Tensor]]:
         """Backward through the graph kept for (caller, call_id); returns the inputs' gradients
-        (zeros for an input that needs one but which the outputs' gradients did not reach)."""
+        (zeros for an input that needs one but which the outputs' gradients did not reach),
+        after `deliver(in_grads)`, which runs before the compute lock is given up."""
         with self._cond:
             saved = self._saved.pop((caller, call_id), None)
             if saved is None:
@@ -653,14 +708,17 @@ class ModuleServer:
         try:
             inputs, outs, _ = saved
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                with self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
-                                    lambda: self._more_regions(BACKWARD, mb)), \
-                        self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
-                                           caller=caller):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
-                        if t.requires_grad else None for t in inputs]
+            with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
+                                 lambda: self._more_regions(BACKWARD, mb))
+                  if pairs else contextlib.nullcontext()):
+                if pairs:
+                    with self.timeline.span(name or "<root>", "backward", microbatch=mb,
+                                            step=step, caller=caller):
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
+                            if t.requires_grad else None for t in inputs]
+                if deliver is not None:
+                    deliver(in_grads)
         finally:
             with self._cond:
                 self._backwards_running -= 1
@@ -669,8 +727,10 @@ class ModuleServer:
                 self._cond.notify_all()
                 done = (not self._saved and self._backwards_running == 0
                         and len(self._forward_microbatches) >= self._expected_microbatches)
-        if done and self.on_local_backward_done is not None:
-            self.on_local_backward_done()
+        if done:
+            self.weight_grads.flush()
+            if self.on_local_backward_done is not None:
+                self.on_local_backward_done()
         return in_grads
 
     def _more_regions(self, kind: str, mb: int) -> bool:
@@ -758,6 +818,7 @@ class ModuleServer:
     def begin_step(self, microbatches: int, schedule: Schedule, step: int) -> None:
         self.schedule = schedule
         self._step = step
+        self.weight_grads.active = True
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
         with self._cond:
@@ -770,11 +831,32 @@ class ModuleServer:
             self._tickets = itertools.count()
         self.store.reset_error()
 
+    def wait_idle(self, step: int) -> None:
+        """Wait until every request received for the step has been served."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while any(n > 0 for n in self._requests.values()):
+                self.transport.check()
+                if time.monotonic() > deadline:
+                    pending = {mb: n for mb, n in self._requests.items() if n > 0}
+                    err = PipelineError(
+                        f"pp rank {self.me} waited {self.timeout_s:.0f} s at the end of step {step}"
+                        f" for its requests to finish (requests left by microbatch: {pending})")
+                    self.transport.fail(err)
+                    raise err
+                self._cond.wait(timeout=1.0)
+
+    def flush_weight_grads(self) -> None:
+        """The step's fused weight gradients become `.grad` (before any reduction reads them)."""
+        self.weight_grads.flush()
+
     def end_step(self) -> None:
         """Drop graphs whose backward never came (outputs unused, or an eval step) and every
         value kept for the step."""
         with self._cond:
             self._saved.clear()
+        self.weight_grads.flush()  # (nothing is left: the step's end flushed before reducing)
+        self.weight_grads.active = False
         self.store.clear()
         self._step = -1  # handles kept past the step now say so instead of waiting
 

@@ -1,0 +1,105 @@
+"""Fused weight-gradient accumulation (weight_grad.py), in one process: the same gradients as
+plain autograd over several microbatches, and the ordinary path wherever fusing would be wrong."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from smshim.modelparallel.torch import weight_grad as wg
+
+TOL = 1e-5
+
+
+def _pair(bias=True):
+    torch.manual_seed(0)
+    fused, plain = nn.Linear(6, 5, bias=bias), nn.Linear(6, 5, bias=bias)
+    plain.load_state_dict(fused.state_dict())
+    acc = wg.WeightGradAccumulator()
+    acc.active = True
+    fused.forward = wg.fused_forward(fused, acc)
+    return fused, plain, acc
+
+
+def _inputs(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 4, 6, generator=g, requires_grad=True) for _ in range(n)]
+
+
+def _close(a, b):
+    assert a is not None and b is not None
+    assert (a - b).abs().max().item() < TOL
+
+
+def test_microbatches_sum_into_one_gradient_as_autograd_does():
+    fused, plain, acc = _pair()
+    xs = _inputs()
+    for x in xs:
+        y = fused(x)
+        assert type(y.grad_fn).__name__ == "_LinearAccumulatingBackward"
+        F.gelu(y).pow(2).sum().backward()
+        assert fused.weight.grad is None  # pending until the flush
+    x_grads = [x.grad.clone() for x in xs]
+    for x in xs:
+        x.grad = None
+        F.gelu(plain(x)).pow(2).sum().backward()
+    acc.flush()
+    _close(fused.weight.grad, plain.weight.grad)
+    _close(fused.bias.grad, plain.bias.grad)
+    for x, g in zip(xs, x_grads):
+        _close(g, x.grad)
+
+
+def test_existing_grad_is_added_to():
+    fused, plain, acc = _pair(bias=False)
+    fused.weight.grad = torch.ones_like(fused.weight)
+    plain.weight.grad = torch.ones_like(plain.weight)
+    for x in _inputs():
+        fused(x).sum().backward()
+        plain(x).sum().backward()
+    acc.flush()
+    _close(fused.weight.grad, plain.weight.grad)
+
+
+def test_activation_checkpointing_recomputes_the_same_path():
+    fused, plain, acc = _pair()
+    for x in _inputs():
+        checkpoint(fused, x, use_reentrant=False).pow(2).sum().backward()
+        checkpoint(plain, x, use_reentrant=False).pow(2).sum().backward()
+    acc.flush()
+    _close(fused.weight.grad, plain.weight.grad)
+    _close(fused.bias.grad, plain.bias.grad)
+
+
+def test_ordinary_path_when_inactive_hooked_or_double_backward():
+    fused, plain, acc = _pair()
+    x = _inputs(1)[0]
+    acc.active = False  # outside a step: plain autograd, .grad at once
+    fused(x).sum().backward()
+    assert fused.weight.grad is not None and not acc
+    fused.weight.grad = None
+    acc.active = True
+    seen = []
+    h = fused.weight.register_hook(lambda g: seen.append(g.shape))
+    fused(x).sum().backward()  # a hook of the user's: it must see every gradient
+    assert seen and fused.weight.grad is not None and not acc
+    h.remove()
+    fused.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    # create_graph: gradients stay in the graph, as autograd returns them
+    gw, = torch.autograd.grad(fused(x).pow(2).sum(), fused.weight, create_graph=True)
+    gp, = torch.autograd.grad(plain(x).pow(2).sum(), plain.weight, create_graph=True)
+    _close(gw, gp)
+    assert gw.requires_grad and not acc
+
+
+def test_reducer_hooks_do_not_prevent_fusing():
+    fused, _, acc = _pair()
+
+    def hook(_p):
+        pass
+
+    hook._smshim_reducer = True
+    fused.weight.register_post_accumulate_grad_hook(hook)
+    fused(_inputs(1)[0]).sum().backward()
+    assert acc and fused.weight.grad is None
