@@ -32,8 +32,9 @@ a request first waits (without the lock) for its inputs, and a thread gives the 
 waits on the network, so nested calls and several microbatches in flight never deadlock. Under
 `interleaved`, a rank other than 0 starts the forward of a new microbatch only while it holds
 fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order. A request made
-ready by the one a thread is serving (the next module of the chain) runs next on that thread, and
-results leave for other ranks before the lock is given up: no thread wake-up on the critical path.
+ready by the one a thread is serving (the next module of the chain) runs next on that thread (no
+pool hand-off between a stage's modules), and results for other ranks are queued before the lock
+is given up.
 Each rank's linear layers add their weight gradients in place across microbatches
 (weight_grad.py); the step's end hands them over as `.grad` before any reduction.
 """
@@ -664,8 +665,7 @@ class ModuleServer:
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
-        results on their way to another rank leave now, not after the next module here has
-        taken the core (and the GIL)."""
+        results on their way to another rank are queued before the next module here starts."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]

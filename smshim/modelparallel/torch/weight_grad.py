@@ -63,9 +63,10 @@ class WeightGradAccumulator:
 
     def flush(self) -> None:
         """Hand the pending buffers over as `.grad` (added to one that appeared meanwhile)."""
-        with self._lock:
+        # Under the lock: `add` may run meanwhile on another thread (pp_rank 0's glue code runs
+        # outside the compute lock) and must not add into a .grad being set or added to here.
+        with self._lock, torch.no_grad():
             pending, self._pending = self._pending, {}
-        with torch.no_grad():
             for param, buf in pending.values():
                 if param.grad is None:
                     param.grad = buf
