@@ -36,12 +36,12 @@ from .base import tp_rank_size
 from .hf_common import (
     ShardedLinear,
     all_attend_mask,
-    elementwise_activation,
     gather_batch_forward,
     gather_recorded_attention,
     is_hf_class,
     mark_replicated,
-    only_parameters,
+    not_linear,
+    not_splittable,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,26 +63,16 @@ def _why_not(block: nn.Module, size: int) -> Optional[str]:
         return "it has cross attention"
     if not is_hf_class(block.attention.self, "BertSelfAttention"):
         return f"its attention is a {type(block.attention.self).__name__}"
-    for name in _COLUMN + _ROW:
-        kind = type(block.get_submodule(name))
-        if kind is not nn.Linear:
-            return f"{name} is a {kind.__name__}, not an nn.Linear"
+    reason = not_linear(block, _COLUMN + _ROW)
+    if reason:
+        return reason
     sa = block.attention.self
     heads, head_size = sa.num_attention_heads, sa.attention_head_size
     for name in ("query", "key", "value"):
         if getattr(sa, name).out_features != heads * head_size:
             return f"{name} has {getattr(sa, name).out_features} outputs for {heads} heads"
-    inner = block.intermediate.dense.out_features
-    if heads % size or inner % size:
-        return (f"{heads} heads / intermediate size {inner} do not divide by "
-                f"tensor_parallel_degree {size}")
-    extra = only_parameters(block, _PARAMS)
-    if extra:
-        return f"it has other parameters ({extra})"
-    act = block.intermediate.intermediate_act_fn
-    if not elementwise_activation(act):
-        return f"its activation {act!r} is not a known elementwise activation"
-    return None
+    return not_splittable(block, size, heads, block.intermediate.dense.out_features, _PARAMS,
+                          block.intermediate.intermediate_act_fn)
 
 
 def distribute_block(block: nn.Module) -> Optional[nn.Module]:

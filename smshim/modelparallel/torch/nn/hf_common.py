@@ -43,6 +43,31 @@ def only_parameters(block: nn.Module, prefixes: "tuple[str, ...]") -> str:
                      if not any(n.startswith(p + ".") for p in prefixes))
 
 
+def not_linear(block: nn.Module, names: "tuple[str, ...]") -> Optional[str]:
+    """Why the projections `names` of `block` cannot be split as nn.Linear (None if they can)."""
+    for name in names:
+        kind = type(block.get_submodule(name))
+        if kind is not nn.Linear:
+            return f"{name} is a {kind.__name__}, not an nn.Linear"
+    return None
+
+
+def not_splittable(block: nn.Module, size: int, heads: int, inner: int,
+                   params: "tuple[str, ...]", act: Any) -> Optional[str]:
+    """Why a block whose projections are nn.Linear still cannot be split exactly over `size` TP
+    ranks (None if it can): heads and inner size must divide, it may hold no parameters outside
+    `params`, and its activation must be elementwise."""
+    if heads % size or inner % size:
+        return (f"{heads} heads / intermediate size {inner} do not divide by "
+                f"tensor_parallel_degree {size}")
+    extra = only_parameters(block, params)
+    if extra:
+        return f"it has other parameters ({extra})"
+    if not elementwise_activation(act):
+        return f"its activation {act!r} is not a known elementwise activation"
+    return None
+
+
 def elementwise_activation(act: Any) -> bool:
     """Whether `act` is one of transformers' ACT2FN activations without parameters: those act on
     each feature alone, so they commute with splitting the features over the TP ranks."""

@@ -38,12 +38,12 @@ from torch import nn
 from .base import tp_rank_size
 from .hf_common import (
     ShardedLinear,
-    elementwise_activation,
     gather_batch_forward,
     gather_recorded_attention,
     is_hf_class,
     mark_replicated,
-    only_parameters,
+    not_linear,
+    not_splittable,
     sdpa_causal_mask,
 )
 
@@ -61,24 +61,15 @@ def is_gpt_neox_layer(module: nn.Module) -> bool:
 
 def _why_not(block: nn.Module, size: int) -> Optional[str]:
     attn, mlp = block.attention, block.mlp
-    for name in _PARAMS[2:]:
-        if type(block.get_submodule(name)) is not nn.Linear:
-            return f"{name} is a {type(block.get_submodule(name)).__name__}, not an nn.Linear"
+    reason = not_linear(block, _PARAMS[2:])
+    if reason:
+        return reason
     head_size = attn.head_size
     qkv_out = attn.query_key_value.out_features
     if qkv_out % (3 * head_size) or attn.dense.in_features * 3 != qkv_out:
         return f"query_key_value has {qkv_out} outputs for head_size {head_size}"
     heads = qkv_out // (3 * head_size)
-    inner = mlp.dense_h_to_4h.out_features
-    if heads % size or inner % size:
-        return (f"{heads} heads / intermediate size {inner} do not divide by "
-                f"tensor_parallel_degree {size}")
-    extra = only_parameters(block, _PARAMS)
-    if extra:
-        return f"it has other parameters ({extra})"
-    if not elementwise_activation(mlp.act):
-        return f"its activation {type(mlp.act).__name__} is not a known elementwise activation"
-    return None
+    return not_splittable(block, size, heads, mlp.dense_h_to_4h.out_features, _PARAMS, mlp.act)
 
 
 def distribute_block(block: nn.Module) -> Optional[nn.Module]:
