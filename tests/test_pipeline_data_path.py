@@ -189,15 +189,26 @@ def _first_on_rank1_batches():
             for _ in range(3)]
 
 
-def _first_on_rank1():
+def test_stage_whose_input_gradient_nobody_needs_finishes_its_backward_in_the_step():
+    """The first stage (on rank 1) sends no gradient back, so pp_rank 0 ends the step while its
+    backward still runs; rank 1 must finish it before its step ends (and before reducing)."""
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    _check_placed(FirstOnRank1, _first_on_rank1_batches, cfg, {"a": 1}, timeout=120)
+
+
+# ---- trained with a placement, compared with single-process SGD ----------------------------
+
+def _train_placed(make, batches, cfg, placement):
+    """Train `make()` under smp with `cfg` and modules placed by `placement` (name -> pp rank);
+    this rank's parameters after the steps."""
     import smdistributed.modelparallel.torch as smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
-              "default_partition": 0})
+    smp.init({**cfg, "auto_partition": False, "default_partition": 0})
     torch.manual_seed(0)
-    module = FirstOnRank1()
+    module = make()
     model = smp.DistributedModel(module)
-    smp.set_partition(module.a, 1)
+    for name, pid in placement.items():
+        smp.set_partition(module.get_submodule(name), pid)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step
@@ -206,26 +217,27 @@ def _first_on_rank1():
         model.backward(loss)
         return loss
 
-    for x, y in _first_on_rank1_batches():
+    for x, y in batches():
         opt.zero_grad()
         train_step(model, x, y)
         opt.step()
     return {n: p.detach().clone() for n, p in model.local_named_parameters()}
 
 
-def test_stage_whose_input_gradient_nobody_needs_finishes_its_backward_in_the_step():
-    """The first stage (on rank 1) sends no gradient back, so pp_rank 0 ends the step while its
-    backward still runs; rank 1 must finish it before its step ends (and before reducing)."""
+def _check_placed(make, batches, cfg, placement, timeout):
+    """Every parameter equals single-process SGD training's on the same batches."""
     torch.manual_seed(0)
-    ref = FirstOnRank1()
+    ref = make()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in _first_on_rank1_batches():
+    for x, y in batches():
         opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         opt.step()
     got = {}
-    for r in run_ranks(_first_on_rank1, 2, timeout=120):
+    for r in run_ranks(_train_placed, cfg["pipeline_parallel_degree"], make, batches, cfg,
+                       placement, timeout=timeout):
         got.update(r)
+    assert set(got) == {n for n, _ in ref.named_parameters()}
     for n, p in ref.named_parameters():
         assert (got[n] - p.detach()).abs().max().item() < TOL, n
 
@@ -431,44 +443,8 @@ class NestedNet(nn.Module):
         return self.head(self.outer(torch.relu(self.inp(x))))
 
 
-def _nested(schedule):
-    import smdistributed.modelparallel.torch as smp
-
-    smp.init({"pipeline_parallel_degree": 3, "microbatches": 2, "pipeline": schedule,
-              "active_microbatches": 2, "auto_partition": False, "default_partition": 0})
-    torch.manual_seed(0)
-    module = NestedNet()
-    model = smp.DistributedModel(module)
-    smp.set_partition(module.outer, 1)
-    smp.set_partition(module.outer.inner, 2)
-    smp.set_partition(module.outer.back, 0)
-    smp.set_partition(module.head, 2)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    for x, y in _glue_batches():
-        opt.zero_grad()
-        train_step(model, x, y)
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.local_named_parameters()}
-
-
 def test_nested_calls_match_single_process():
-    torch.manual_seed(0)
-    ref = NestedNet()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in _glue_batches():
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
-    got = {}
-    for r in run_ranks(_nested, 3, "interleaved", timeout=180):
-        got.update(r)
-    assert set(got) == {n for n, _ in ref.named_parameters()}
-    for n, p in ref.named_parameters():
-        assert (got[n] - p.detach()).abs().max().item() < TOL, n
+    cfg = {"pipeline_parallel_degree": 3, "microbatches": 2, "pipeline": "interleaved",
+           "active_microbatches": 2}
+    placement = {"outer": 1, "outer.inner": 2, "outer.back": 0, "head": 2}
+    _check_placed(NestedNet, _glue_batches, cfg, placement, timeout=180)
