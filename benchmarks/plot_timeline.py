@@ -3,7 +3,8 @@
     python benchmarks/plot_timeline.py DIR -o timeline.png [--step N]
 
 One row per rank; a bar per forward (blue) / backward (orange) span with its microbatch number
-written in it where it fits; sends (green) and waits (light grey) behind them. The x axis is milliseconds from the
+written in it where it fits, weight gradients computed in the bubbles (purple); sends (green) and
+waits (light grey) behind them. The x axis is milliseconds from the
 first span shown (ranks on one host share a clock, so their rows line up).
 """
 
@@ -17,8 +18,10 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#d9d9d9", "transfer": "#2ca02c"}
-DRAWN = ("wait", "transfer", "forward", "backward")  # drawing order: waits underneath
+COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight_grad": "#9467bd", "wait": "#d9d9d9",
+           "transfer": "#2ca02c"}
+# Drawing order: waits underneath.
+DRAWN = ("wait", "transfer", "forward", "backward", "weight_grad")
 
 
 def load_spans(directory: str, step: Optional[int] = None) -> Dict[int, List[Dict[str, Any]]]:
@@ -87,8 +90,9 @@ def plot(spans: Dict[int, List[Dict[str, Any]]], out: str, title: Optional[str] 
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "smshim pipeline timeline", loc="left")
     # Legend above the axes, beside the title, so it never hides a bar.
-    ax.legend(handles=[Patch(color=COLOURS[c], label=c) for c in ("forward", "backward", "wait")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
+    ax.legend(handles=[Patch(color=COLOURS[c], label=c.replace("_", " "))
+                       for c in ("forward", "backward", "weight_grad", "wait")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -11,9 +11,9 @@ from smshim.modelparallel.torch import weight_grad as wg
 TOL = 1e-5
 
 
-def _pair(bias=True):
+def _pair(bias=True, size=(6, 5)):
     torch.manual_seed(0)
-    fused, plain = nn.Linear(6, 5, bias=bias), nn.Linear(6, 5, bias=bias)
+    fused, plain = nn.Linear(*size, bias=bias), nn.Linear(*size, bias=bias)
     plain.load_state_dict(fused.state_dict())
     acc = wg.WeightGradAccumulator()
     acc.active = True
@@ -103,3 +103,44 @@ def test_reducer_hooks_do_not_prevent_fusing():
     fused.weight.register_post_accumulate_grad_hook(hook)
     fused(_inputs(1)[0]).sum().backward()
     assert acc and fused.weight.grad is None
+
+
+def test_deferred_products_are_grouped_computed_when_asked_bounded_and_flushed():
+    fused, plain, acc = _pair(bias=False, size=(40, 30))
+    # A row of dY and X holds 70 numbers, the weight 1200: at most 17 rows are kept, in groups
+    # of 8.
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(1, 40, generator=g) for _ in range(30)]
+
+    def run(x):
+        fused(x).pow(2).sum().backward()
+        plain(x).pow(2).sum().backward()
+
+    for x in xs[:7]:
+        run(x)
+    assert not acc.wait_for_work(timeout=0.0)  # 7 rows kept, no complete group yet
+    run(xs[7])
+    assert acc.wait_for_work(timeout=0.0)
+    assert acc.compute_one() and not acc.compute_one()  # one product for the 8 microbatches
+    assert acc and fused.weight.grad is None  # computed into the pending buffer
+    for x in xs[8:24]:
+        run(x)
+    assert acc.wait_for_work(timeout=0.0)  # 16 rows kept: two groups, left to the flush ...
+    run(xs[24])  # ... or computed at once when the kept rows reach the bound
+    assert not acc.wait_for_work(timeout=0.0)
+    for x in xs[25:]:
+        run(x)
+    acc.flush()
+    assert not acc
+    _close(fused.weight.grad, plain.weight.grad)
+
+
+def test_eager_mode_computes_in_the_backward():
+    fused, plain, acc = _pair(bias=False)
+    acc.deferred = False
+    for x in _inputs(1):
+        fused(x).sum().backward()
+        plain(x).sum().backward()
+    assert not acc.wait_for_work(timeout=0.0) and acc  # nothing kept: in the buffer already
+    acc.flush()
+    _close(fused.weight.grad, plain.weight.grad)

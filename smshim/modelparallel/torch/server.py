@@ -33,10 +33,14 @@ waits on the network, so nested calls and several microbatches in flight never d
 `interleaved`, a rank other than 0 starts the forward of a new microbatch only while it holds
 fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order. A request made
 ready by the one a thread is serving (the next module of the chain) runs next on that thread (no
-pool hand-off between a stage's modules), and results for other ranks are queued before the lock
-is given up.
-Each rank's linear layers add their weight gradients in place across microbatches
-(weight_grad.py); the step's end hands them over as `.grad` before any reduction.
+pool hand-off between a stage's modules), and results for other ranks are sent (small ones) or
+queued before the lock is given up. On pp_rank 0 the next microbatch's turn at its own modules
+comes as soon as this one has run as many of them as a microbatch does, not when its glue code
+(which sends the calls to the other stages) is over.
+Each rank's linear layers keep what their weight gradients need and a thread computes them when
+nothing else waits for the compute lock (weight_grad.py: off the critical path, in the
+pipeline's bubbles); the step's end computes what is left and hands them over as `.grad` before
+any reduction.
 """
 
 from __future__ import annotations
@@ -166,9 +170,16 @@ class ModuleServer:
         # no graph is left): lets data parallelism start reducing early.
         self.on_local_backward_done: Optional[Callable[[], None]] = None
         self._real_forward: Dict[str, Callable[..., Any]] = {}
-        # This rank's linear layers add each microbatch's weight gradient in place (weight_grad.py).
-        self.weight_grads = weight_grad.WeightGradAccumulator()
+        # This rank's linear layers accumulate their weight gradients in one buffer per weight
+        # across microbatches (weight_grad.py).
+        # Their weight gradients are computed when the rank has nothing else to run, by a
+        # thread taking the compute lock behind every forward and backward (deterministic_server:
+        # in each backward, so that the sums group the same way every run).
+        self.weight_grads = weight_grad.WeightGradAccumulator(
+            weight_grad.deferred_by_env() and not deterministic)
         self._fused: list = []
+        self._wgrad_thread: Optional[threading.Thread] = None
+        self._closing = False
         # Functions served under names that are not modules (activation checkpointing's
         # "<module>#ckpt..." units): name -> callable, built on first use by this factory.
         self.function_factory: Optional[Callable[[str], Optional[Callable[..., Any]]]] = None
@@ -186,6 +197,10 @@ class ModuleServer:
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
         self._fwd_turns: set = set()  # pp_rank 0: microbatches whose forward (backward) is over
         self._bwd_turns: set = set()
+        # pp_rank 0: its own modules a microbatch ran, by (direction, microbatch), and how many
+        # a microbatch runs in all (learned from microbatches whose code for it was over).
+        self._own_runs: collections.Counter = collections.Counter()
+        self._own_per_mb = {FORWARD: 0, BACKWARD: 0}
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
         self._backwards_running = 0
@@ -204,6 +219,10 @@ class ModuleServer:
             self._fused = weight_grad.install(
                 self.modules, lambda name: self.assignment.get(name, 0) == self.me,
                 self.weight_grads)
+        if self._fused and self.weight_grads.deferred and self._wgrad_thread is None:
+            self._wgrad_thread = threading.Thread(target=self._compute_weight_grads, daemon=True,
+                                                  name=f"smp-wgrad-{self.me}")
+            self._wgrad_thread.start()
         for name, module in self.modules.items():
             self._real_forward.setdefault(name, module.forward)
         regions = set(_glue_callees(self.root, self.assignment)) if self.me == 0 else set()
@@ -244,7 +263,7 @@ class ModuleServer:
             raise KeyError(f"pp rank {self.me} has no module or function named {name!r}")
         return fn
 
-    # Messages (on a transport receiver thread: never waits; sends only queue) ------------
+    # Messages (on a transport receiver thread: never waits; a send returns at once) -------
     def dispatch(self, msg: Message) -> None:
         kind = msg.kind
         if kind == VALUE:
@@ -268,7 +287,7 @@ class ModuleServer:
         elif kind in (SEND_TO, FETCH):
             key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
             value = self.store.want(key, dst)
-            if value is not None:  # (sending only queues: it never waits)
+            if value is not None:  # (a send never waits: see Transport.send)
                 self._send_value(dst, key, value, msg.microbatch, msg.step)
         elif kind == FWD_REPLY:
             with self._replies_lock:
@@ -376,6 +395,7 @@ class ModuleServer:
             out_template, outs, out_rg = self._execute_forward(
                 self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
                 values, call.requires, grad_enabled)
+            self._own_run(FORWARD, call.microbatch)
             call.out_template, call.out_requires_grad = out_template, out_rg
             return [t.detach() for t in outs]
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
@@ -426,6 +446,7 @@ class ModuleServer:
             self._wait_turn(self._bwd_turns, call.microbatch, call.what("backward"))
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
                                               call.microbatch, values)
+            self._own_run(BACKWARD, call.microbatch)
             return in_grads + [None] * (n - len(in_grads))
         sync = self.me != 0
         enc, inline = self._encode(grads, call.owner, call.microbatch)
@@ -665,7 +686,7 @@ class ModuleServer:
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
-        results on their way to another rank are queued before the next module here starts."""
+        results on their way to another rank leave before the next module here starts."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
@@ -768,8 +789,20 @@ class ModuleServer:
     def turn_done(self, direction: str, mb: int) -> None:
         """pp_rank 0: microbatch `mb`'s forward (backward) code is over here."""
         with self._cond:
+            self._own_per_mb[direction] = max(self._own_per_mb[direction],
+                                              self._own_runs[(direction, mb)])
             (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
             self._cond.notify_all()
+
+    def _own_run(self, direction: str, mb: int) -> None:
+        """pp_rank 0 ran one of its own modules for microbatch `mb`. Once it has run as many as
+        a microbatch runs here, the next microbatch's turn comes: it starts computing while
+        this one's remaining glue code (the calls it sends to the other stages) runs."""
+        with self._cond:
+            self._own_runs[(direction, mb)] += 1
+            if 0 < self._own_per_mb[direction] <= self._own_runs[(direction, mb)]:
+                (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
+                self._cond.notify_all()
 
     # Admission (interleaved: bounded activations per rank) ---------------------------------
     def _admit(self, mb: int, step: int) -> None:
@@ -825,7 +858,8 @@ class ModuleServer:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
                       self._fwd_turns, self._bwd_turns):
                 s.clear()
-            for c in (self._requests, self._forwards, self._graphs, self._regions_done):
+            for c in (self._requests, self._forwards, self._graphs, self._regions_done,
+                      self._own_runs):
                 c.clear()
             self._turn = 0
             self._tickets = itertools.count()
@@ -876,8 +910,34 @@ class ModuleServer:
             if peer not in visited:
                 self.transport.send(peer, Message(FWD_DONE, ctx.step, mb))
 
+    def _compute_weight_grads(self) -> None:
+        """Compute kept weight gradients whenever no forward or backward waits to run here
+        (the lowest priority: a request arriving meanwhile waits for one product at most)."""
+        acc = self.weight_grads
+        while not self._closing:
+            if not acc.wait_for_work(timeout=0.5):
+                continue
+            try:
+                with self.lock.hold(_IDLE_PRIORITY), \
+                        self.timeline.span("weight gradients", "weight_grad", step=self._step):
+                    acc.compute_one()
+            except BaseException as e:  # noqa: BLE001
+                err = PipelineError(f"pp rank {self.me} failed computing weight gradients: "
+                                    f"{type(e).__name__}: {e}")
+                logger.exception("%s", err)
+                self.transport.fail(err)
+                return
+
     def close(self) -> None:
+        self._closing = True
+        if self._wgrad_thread is not None:
+            self._wgrad_thread.join(timeout=5.0)
+            self._wgrad_thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
+_IDLE_PRIORITY = (2, 0)
 
 
 def _needs(msg: Message) -> List[Any]:

@@ -2,12 +2,15 @@
 
 Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
 thread and one receiver thread, on a process group used by nothing else: messages from one rank
-to another arrive in the order they were queued, and gloo's (peer, tag) matching can never pair a
-buffer with the wrong message. Callers only queue (`send`), so no compute or glue thread waits on
-the network to send; the sender takes everything queued for its peer and sends it as one frame:
-a small header (two int64 lengths, then the pickled `Message`s without their tensors, which carry
-their shapes and dtypes) and the tensors' bytes, in a single send when it fits in FRAME_BYTES (see
-`_send_frame`). Tensors travel through CPU memory on a gloo group, whatever the compute device.
+to another arrive in the order they were sent, and gloo's (peer, tag) matching can never pair a
+buffer with the wrong message. A small message to a peer that is receiving (it sent something in
+this step) over an idle link leaves at once from the calling thread; everything else is queued,
+so no compute or glue thread waits on a large transfer or a peer that is not receiving (a gloo
+send waits for the peer's receive), and the sender thread takes everything queued for its peer
+and sends it as one frame: a small header (two int64 lengths, then the pickled `Message`s
+without their tensors, which carry their shapes and dtypes) and the tensors' bytes, in a single
+send when it fits in FRAME_BYTES (see `_send_frame`). Tensors travel through CPU memory on a gloo
+group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -30,6 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,6 +73,9 @@ class Message:
 
 
 FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
+# A message with at most this many tensor bytes may be sent by the thread that sends it (see
+# `Transport.send`): a small send returns at once, a large one would hold its caller back.
+_INLINE_BYTES = 1 << 16
 _PREFIX = 16  # two int64 lengths
 
 
@@ -97,8 +104,14 @@ class Transport:
         self._closed_peers: "queue.Queue[int]" = queue.Queue()
         self._shutdown = False
         self._threads: List[threading.Thread] = []
-        self._frames: Dict[int, torch.Tensor] = {}  # one receive buffer per peer (one thread each)
+        # One receive buffer per peer and one send buffer per peer (one thread each uses it).
+        self._frames: Dict[int, tuple] = {}
+        self._send_frames: Dict[int, tuple] = {}
         self.peers = [p for p in range(len(ranks)) if p != self.me]
+        # Peers that sent something in this step: they are inside the step, so their receivers
+        # are posted until we CLOSE, and a send to them returns at once (gloo's send waits for
+        # the peer's receive: to a peer not yet, or no longer, in the step it would block).
+        self._heard: Dict[int, bool] = {p: False for p in self.peers}
         self._outbox: Dict[int, _Outbox] = {}
         for peer in self.peers:
             self._send_locks[peer] = threading.Lock()
@@ -156,6 +169,8 @@ class Transport:
         self.check()
         while not self._closed_peers.empty():
             self._closed_peers.get_nowait()
+        for peer in self.peers:
+            self._heard[peer] = False
         for sem in self._session_starts.values():
             sem.release()
 
@@ -180,10 +195,14 @@ class Transport:
 
     # ---- sending ----------------------------------------------------------------------------
     def send(self, peer: int, msg: Message, wait: bool = False) -> None:
-        """Queue `msg` for `peer`; with `wait`, return once it has left. One sender thread per
-        peer is the ordering rule (messages to a peer arrive in the order they were queued), and
-        it sends everything queued meanwhile as one frame: a caller never waits on the network
-        to send, and a burst of requests (one per module of a stage) costs one gloo send."""
+        """Send `msg` to `peer`, or queue it; with `wait`, return once it has left. Messages to
+        a peer arrive in the order they were sent. A small message finding the link to its peer
+        idle (nothing queued, nothing being sent) while the peer is known to be receiving (it
+        sent something in this step) leaves at once from the calling thread: waking the sender
+        thread costs more than the send. Otherwise it is queued for the peer's sender thread,
+        which sends everything queued meanwhile as one frame (a burst of requests, one per
+        module of a stage, costs one gloo send), so a caller never waits behind another
+        message, a large transfer or a peer that is not receiving."""
         self.check()
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
         self.sent_messages[(msg.kind, peer)] += 1
@@ -191,8 +210,23 @@ class Transport:
         done = threading.Event() if wait else None
         box = self._outbox[peer]
         with box.cond:
-            box.items.append((msg, done))
-            box.cond.notify()
+            # Never from a receiver thread: gloo's send waits for the peer to post its receive,
+            # and two receivers sending to each other (or a cycle of them) would wait forever.
+            now = (not box.items and not box.busy and nbytes <= _INLINE_BYTES
+                   and self._heard[peer] and not getattr(_receiving, "on", False))
+            if now:
+                box.busy = True
+            else:
+                box.items.append((msg, done))
+                box.cond.notify()
+        if now:
+            try:
+                self._send_batch(peer, [(msg, done)])
+            finally:
+                with box.cond:
+                    box.busy = False
+                    if box.items:
+                        box.cond.notify()
         if done is not None:
             while not done.wait(timeout=1.0):
                 self.check()
@@ -200,58 +234,90 @@ class Transport:
 
     def _send_loop(self, peer: int) -> None:
         box = self._outbox[peer]
-        dst = self.ranks[peer]
         while True:
             with box.cond:
-                while not box.items and not self._shutdown:
+                while (not box.items or box.busy) and not self._shutdown:
                     box.cond.wait()
                 if not box.items:
                     return
                 batch, box.items = box.items, []
-            msgs = [m for m, _ in batch]
-            nbytes = sum(t.numel() * t.element_size() for m in msgs for t in m.tensors)
-            span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to {peer}",
-                                       "transfer", peer=peer, bytes=nbytes, messages=len(msgs),
-                                       microbatch=msgs[0].microbatch, step=msgs[0].step,
-                                       module=msgs[0].module)
-                    if self.timeline is not None and self.timeline.enabled
-                    and msgs[0].kind != CLOSE else contextlib.nullcontext())
+                box.busy = True
             try:
-                with self._send_locks[peer], span:
-                    self._send_frame(dst, msgs)
-            except Exception as e:  # noqa: BLE001
-                self.fail(PipelineError(f"pp rank {self.me} could not send {msgs[0].describe()} "
-                                        f"to pp rank {peer} (global rank {dst}): {e}"))
-            for _, done in batch:
-                if done is not None:
-                    done.set()
-            del batch, msgs  # hold no tensors while idle (nor when the thread ends at exit)
+                self._send_batch(peer, batch)
+            finally:
+                with box.cond:
+                    box.busy = False
+            del batch  # hold no tensors while idle (nor when the thread ends at exit)
+
+    def _send_batch(self, peer: int, batch: List[tuple]) -> None:
+        """Send queued (message, done event) pairs to `peer` as one frame; a failure is recorded
+        on the transport (every waiter raises it), not raised here."""
+        msgs = [m for m, _ in batch]
+        dst = self.ranks[peer]
+        span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to {peer}",
+                                   "transfer", peer=peer, messages=len(msgs),
+                                   bytes=sum(t.numel() * t.element_size()
+                                             for m in msgs for t in m.tensors),
+                                   microbatch=msgs[0].microbatch, step=msgs[0].step,
+                                   module=msgs[0].module)
+                if self.timeline is not None and self.timeline.enabled
+                and msgs[0].kind != CLOSE else contextlib.nullcontext())
+        try:
+            with self._send_locks[peer], span:
+                self._send_frame(dst, msgs)
+        except Exception as e:  # noqa: BLE001
+            self.fail(PipelineError(f"pp rank {self.me} could not send {msgs[0].describe()} "
+                                    f"to pp rank {peer} (global rank {dst}): {e}"))
+        for _, done in batch:
+            if done is not None:
+                done.set()
 
     def _send_frame(self, dst: int, msgs: List[Message]) -> None:
         # One frame: [header length][body length][pickled headers][tensor bytes]. The receiver
         # posts a fixed-size buffer (gloo accepts a shorter message), so small messages cost a
-        # single send; a body too large for the frame follows as one more send.
+        # single send; a body too large for the frame follows as one more send. Assembled with
+        # numpy in a buffer kept per peer (used under the peer's send lock; a send has returned
+        # before the next): a handful of torch ops per message cost more than the transfer of
+        # a small one.
         headers, body = [], []
         for msg in msgs:
-            tensors = [t.detach().to("cpu").contiguous() for t in msg.tensors]
-            metas = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
+            metas = []
+            for t in msg.tensors:
+                arr = _as_bytes(t)
+                metas.append((tuple(t.shape), t.dtype, arr.size))
+                if arr.size:
+                    body.append(arr)
             headers.append(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
                                    msg.meta, metas))
-            body += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
-        body_len = sum(b.numel() for b in body)
+        body_len = sum(b.size for b in body)
         inline = _PREFIX + len(header) + body_len <= FRAME_BYTES
-        lengths = torch.tensor([len(header), body_len], dtype=torch.int64).view(torch.uint8)
-        parts = [lengths, torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+        frame, nf = self._send_buffer(dst)
+        end = _PREFIX + len(header)
+        if end > FRAME_BYTES:  # (headers alone bigger than a frame: a frame of its own size)
+            frame = torch.empty(end, dtype=torch.uint8)
+            nf = frame.numpy()
+        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
+        nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
         if inline:
-            parts += body
-        dist.send(torch.cat(parts), dst, group=self.group)
+            for arr in body:
+                nf[end:end + arr.size] = arr
+                end += arr.size
+        dist.send(frame[:end], dst, group=self.group)
         if not inline and body_len:
-            dist.send(torch.cat(body), dst, group=self.group)
+            dist.send(torch.from_numpy(np.concatenate(body)), dst, group=self.group)
+
+    def _send_buffer(self, dst: int):
+        buf = self._send_frames.get(dst)
+        if buf is None:
+            t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+            buf = self._send_frames[dst] = (t, t.numpy())
+        return buf
 
     # ---- receiving --------------------------------------------------------------------------
     def _recv_loop(self, peer: int) -> None:
         src = self.ranks[peer]
+        _receiving.on = True
         while True:
             self._session_starts[peer].acquire()
             if self._shutdown:
@@ -270,6 +336,7 @@ class Transport:
         function of its own so that no received tensor stays referenced between sessions."""
         while True:
             frame = self._recv_frame(src)
+            self._heard[peer] = True
             if self.timeline is not None and self.timeline.enabled:
                 self.timeline.instant(
                     f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
@@ -285,22 +352,26 @@ class Transport:
                 self._dispatch(msg)
 
     def _recv_frame(self, src: int) -> List[Message]:
-        frame = self._frames.setdefault(src, torch.empty(FRAME_BYTES, dtype=torch.uint8))
+        frame, nf = self._frames.get(src) or self._frames.setdefault(
+            src, _with_numpy(torch.empty(FRAME_BYTES, dtype=torch.uint8)))
         dist.recv(frame, src, group=self.group)
-        header_len, body_len = frame[:_PREFIX].view(torch.int64).tolist()
-        msgs: List[Message] = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
-        if _PREFIX + header_len + body_len <= FRAME_BYTES:
-            # No copy here: each tensor is cloned out of the frame below, before the next receive.
-            body = frame[_PREFIX + header_len:_PREFIX + header_len + body_len]
+        header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
+        if _PREFIX + header_len > FRAME_BYTES:  # (a frame of its own size: see _send_frame)
+            frame, nf = _with_numpy(torch.empty(_PREFIX + header_len, dtype=torch.uint8))
+            dist.recv(frame, src, group=self.group)
+        msgs: List[Message] = pickle.loads(nf[_PREFIX:_PREFIX + header_len])
+        start = _PREFIX + header_len
+        if start + body_len <= FRAME_BYTES:
+            # No copy here: each tensor is copied out of the frame below, before the next receive.
+            body = nf[start:start + body_len]
         else:
-            body = torch.empty(body_len, dtype=torch.uint8)
-            dist.recv(body, src, group=self.group)
+            body = np.empty(body_len, dtype=np.uint8)
+            dist.recv(torch.from_numpy(body), src, group=self.group)
         offset = 0
         for msg in msgs:
             tensors = []
             for shape, dtype, nbytes in msg.tensors:
-                # clone(): a fresh, aligned storage per tensor, so view(dtype) is legal.
-                t = body[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+                t = _from_bytes(body[offset:offset + nbytes], dtype, shape)
                 offset += nbytes
                 tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
             msg.tensors = tensors
@@ -325,9 +396,41 @@ class Transport:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
+_receiving = threading.local()  # .on: this thread is a receiver (its sends are queued)
+
+
 class _Outbox:
     """Messages queued for one peer, taken by its sender thread."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.items: List[tuple] = []
+        self.busy = False  # a frame to this peer is being sent (by its sender thread or inline)
+
+
+def _with_numpy(t: torch.Tensor) -> tuple:
+    return t, t.numpy()
+
+
+# dtypes numpy holds natively: their bytes become a tensor without torch's reinterpreting views.
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
+                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
+                 torch.complex64: np.complex64, torch.complex128: np.complex128}
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """`t`'s data as a flat uint8 array (on the CPU, contiguous; a view when it already is)."""
+    if t.dtype in _NUMPY_DTYPES:
+        return np.ascontiguousarray(t.numpy(force=True)).reshape(-1).view(np.uint8)
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` holding a copy of `data` (fresh, aligned storage)."""
+    own = data.copy()
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is not None:
+        return torch.from_numpy(own.view(np_dtype).reshape(shape))
+    return torch.from_numpy(own).view(dtype).reshape(shape)

@@ -1,23 +1,29 @@
-"""Weight gradients of `nn.Linear` accumulated in place across a step's microbatches.
+"""Weight gradients of `nn.Linear` accumulated in place across a step's microbatches, computed
+off the pipeline's critical path.
 
 Plain autograd gives every microbatch's backward of a linear layer a fresh weight gradient
 (`dW = dY^T X`, a new weight-sized tensor) and then adds it to `.grad`: for a microbatch of a few
 rows that is two passes over weight-sized memory for little arithmetic, and on a CPU it costs more
 than the layer's forward. A pipeline runs every layer once per microbatch, so this is where small
-microbatches lose most of their efficiency. Here a pipeline stage's linear layers instead add
-`dY^T X` straight into one buffer per weight (`addmm_`, one pass), and the buffers become `.grad`
-when the rank's backward work for the step is over: the same sum over microbatches, in the same
-order, without the copies.
+microbatches lose most of their efficiency. Here a pipeline stage's linear layers run an autograd
+function whose backward returns only the input gradient and keeps `dY` and `X`; the weight
+gradients are computed later, when the rank has nothing else to run (the pipeline's bubbles, as
+in zero-bubble schedules), a group of microbatches in one product added into one buffer per
+weight, and the buffers become `.grad` when the rank's backward work for the step is over. The
+same sum over microbatches (grouped: the rounding differs as between microbatch sizes, and is the
+same every run), and the input gradient reaches the previous stage a weight gradient sooner. The
+rows kept for a weight never outgrow the weight itself (past that, they are computed at once).
 
 Used only where its flush is certain: a `nn.Linear` owned by this rank, run inside a pipeline step
 (the step's end flushes before any gradient reduction). Everything else takes the ordinary path:
 no grad, autocast, fp16/bf16 weights, double backward (`create_graph`), tensor subclasses, and
 weights with hooks of their own (their hooks expect one call per microbatch).
-`SMSHIM_FUSED_WGRAD=0` turns it off.
+`SMSHIM_FUSED_WGRAD=0` turns it off; `SMSHIM_FUSED_WGRAD=eager` (and `deterministic_server`)
+computes each microbatch's weight gradient in its backward, into the same buffer.
 """
-
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from typing import Callable, Dict, Optional
@@ -36,12 +42,36 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-class WeightGradAccumulator:
-    """A step's pending weight (and bias) gradients, keyed by parameter."""
+def deferred_by_env() -> bool:
+    """`SMSHIM_FUSED_WGRAD=eager` computes each microbatch's weight gradient in its backward."""
+    return os.environ.get(ENV, "1") != "eager"
 
-    def __init__(self) -> None:
+
+class WeightGradAccumulator:
+    """A step's pending weight (and bias) gradients, keyed by parameter.
+
+    With `deferred` (the default), a linear layer's backward only keeps `dY` and `X` for its
+    weight gradient and returns the input gradient at once: the previous stage gets it sooner
+    (the weight gradient is off the pipeline's critical path, as in zero-bubble schedules). Kept
+    microbatches are grouped, in the order they came, until a group has `GROUP_ROWS` rows (a
+    product of a few rows costs a pass over the weight-sized gradient each); `compute_one`
+    computes the oldest complete group when the rank has nothing else to do, `flush` the rest.
+    Groups depend only on the order and sizes of the microbatches, never on timing, so a run
+    repeated gives the same bits. Rows kept for a weight never outgrow the weight itself: past
+    that, its groups are computed at once."""
+
+    GROUP_ROWS = 64
+
+    def __init__(self, deferred: bool = True) -> None:
         self._pending: Dict[int, tuple] = {}  # id(param) -> (param, buffer)
-        self._lock = threading.Lock()
+        # Weight gradients not yet computed: the group being filled, per parameter, as
+        # id(param) -> [param, [dY], [X], rows]; complete groups (key, param, [dY], [X]), oldest
+        # first; rows kept per parameter.
+        self._open: Dict[int, list] = {}
+        self._ready: "collections.deque[tuple]" = collections.deque()
+        self._rows: collections.Counter = collections.Counter()
+        self._lock = threading.Condition()
+        self.deferred = deferred
         # Set for the length of a pipeline step, whose end flushes: a forward runs fused only
         # then (and so does its recomputation under activation checkpointing, in the same step).
         self.active = False
@@ -51,21 +81,82 @@ class WeightGradAccumulator:
         """Accumulate into `param`'s gradient: `fn(target)` adds into `target` in place, or
         (target None) returns a new tensor holding the contribution."""
         with self._lock:
-            grad = param.grad
-            if grad is not None:  # an existing .grad (no zero_grad, or set_to_none=False)
-                fn(grad)
-                return
-            entry = self._pending.get(id(param))
-            if entry is None:
-                self._pending[id(param)] = (param, fn(None))
-            else:
-                fn(entry[1])
+            self._add_locked(param, fn)
+
+    def _add_locked(self, param: torch.Tensor,
+                    fn: Callable[[Optional[torch.Tensor]], Optional[torch.Tensor]]) -> None:
+        grad = param.grad
+        if grad is not None:  # an existing .grad (no zero_grad, or set_to_none=False)
+            fn(grad)
+            return
+        entry = self._pending.get(id(param))
+        if entry is None:
+            self._pending[id(param)] = (param, fn(None))
+        else:
+            fn(entry[1])
+
+    def add_product(self, param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        """Add `grad_out^T x` (rows x out, rows x in) to `param`'s gradient, now or (deferred)
+        later."""
+        if not self.deferred:
+            self.add(param, lambda t: _product(grad_out, x, t))
+            return
+        key, rows = id(param), grad_out.shape[0]
+        # A row of dY and X holds sum(shape) numbers, the weight numel(): keep fewer rows.
+        bound = max(1, param.numel() // sum(param.shape))
+        with self._lock:
+            group = self._open.get(key)
+            if group is None:
+                group = self._open[key] = [param, [], [], 0]
+            group[1].append(grad_out)
+            group[2].append(x)
+            group[3] += rows
+            self._rows[key] += rows
+            if group[3] >= min(self.GROUP_ROWS, max(1, bound // 2)):
+                del self._open[key]
+                self._ready.append((key, param, group[1], group[2]))
+                self._lock.notify_all()
+            if self._rows[key] >= bound:
+                # Compute this weight's complete groups now, oldest first.
+                mine = [g for g in self._ready if g[0] == key]
+                self._ready = collections.deque(g for g in self._ready if g[0] != key)
+                for g in mine:
+                    self._compute_locked(g)
+
+    def _compute_locked(self, group: tuple) -> None:
+        key, param, gs, xs = group
+        g = gs[0] if len(gs) == 1 else torch.cat(gs)
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        self._rows[key] -= g.shape[0]
+        with torch.no_grad():
+            self._add_locked(param, lambda t: _product(g, x, t))
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until a complete group of kept products is there."""
+        with self._lock:
+            if not self._ready:
+                self._lock.wait(timeout)
+            return bool(self._ready)
+
+    def compute_one(self) -> bool:
+        """Compute the oldest complete group; False if there is none."""
+        with self._lock:
+            if not self._ready:
+                return False
+            self._compute_locked(self._ready.popleft())
+            return True
 
     def flush(self) -> None:
-        """Hand the pending buffers over as `.grad` (added to one that appeared meanwhile)."""
+        """Compute what is kept and hand the pending buffers over as `.grad` (added to one that
+        appeared meanwhile)."""
         # Under the lock: `add` may run meanwhile on another thread (pp_rank 0's glue code runs
         # outside the compute lock) and must not add into a .grad being set or added to here.
         with self._lock, torch.no_grad():
+            while self._ready:
+                self._compute_locked(self._ready.popleft())
+            for key, (param, gs, xs, _) in list(self._open.items()):
+                self._compute_locked((key, param, gs, xs))
+            self._open.clear()
             pending, self._pending = self._pending, {}
             for param, buf in pending.values():
                 if param.grad is None:
@@ -74,7 +165,12 @@ class WeightGradAccumulator:
                     param.grad.add_(buf)
 
     def __bool__(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._open) or bool(self._ready)
+
+
+def _product(g: torch.Tensor, x: torch.Tensor, target: Optional[torch.Tensor]) -> torch.Tensor:
+    """`g^T x`, added into `target` in place, or (target None) as a new tensor."""
+    return g.t().mm(x) if target is None else target.addmm_(g.t(), x)
 
 
 class _LinearAccumulating(torch.autograd.Function):
@@ -101,7 +197,7 @@ class _LinearAccumulating(torch.autograd.Function):
             return (None, grad_x, g2.t().mm(x2) if need_w else None,
                     g2.sum(0) if need_b else None)
         if need_w:
-            ctx.acc.add(w_param, lambda t: g2.t().mm(x2) if t is None else t.addmm_(g2.t(), x2))
+            ctx.acc.add_product(w_param, g2, x2)
         if need_b:
             ctx.acc.add(b_param, lambda t: g2.sum(0) if t is None else t.add_(g2.sum(0)))
         return None, grad_x, None, None
