@@ -28,8 +28,8 @@ def _ping_pong(n):
     done = threading.Event()
 
     def dispatch(msg):
-        kind, origin, i = msg.meta
-        got[kind].append((i, msg.tensors))
+        kind, origin, i = msg.meta[:3]
+        got[kind].append((i, msg.tensors) if kind == "rally" else (i, msg.tensors, msg.meta[3]))
         if kind == "rally" and i < n:
             # Answered from the receiver thread (as the server answers FETCH and SEND_TO), while
             # the peer's receiver answers the other rally: both send at the same moments.
@@ -45,12 +45,14 @@ def _ping_pong(n):
         # Sizes on both sides of the inline limit, dtypes numpy has and has not, a 0-d tensor.
         t = [torch.full((i % 5 + 1, 3), float(i)), torch.arange(i, dtype=torch.int64),
              torch.tensor(i, dtype=torch.bfloat16), torch.ones(20000 if i % 7 == 0 else 1)]
-        transport.send(other, Message(VALUE, 0, i, meta=("ping", me, i), tensors=t))
+        pad = "x" * 300_000 if i % 20 == 3 else ""  # headers larger than a frame, now and then
+        transport.send(other, Message(VALUE, 0, i, meta=("ping", me, i, pad), tensors=t))
     assert done.wait(40), f"rank {me}: {len(got['ping'])} pings, {len(got['rally'])} rally shots"
     transport.close_session(0)
     transport.shutdown()
-    assert [i for i, _ in got["ping"]] == list(range(n))  # in order
-    for i, (a, b, c, d) in got["ping"]:
+    assert [i for i, _, _ in got["ping"]] == list(range(n))  # in order
+    for i, (a, b, c, d), pad in got["ping"]:
+        assert len(pad) == (300_000 if i % 20 == 3 else 0)
         assert torch.equal(a, torch.full((i % 5 + 1, 3), float(i)))
         assert torch.equal(b, torch.arange(i, dtype=torch.int64))
         assert c.dtype == torch.bfloat16 and c.shape == () and c.item() == i

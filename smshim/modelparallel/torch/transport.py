@@ -199,7 +199,9 @@ class Transport:
         a peer arrive in the order they were sent. A small message finding the link to its peer
         idle (nothing queued, nothing being sent) while the peer is known to be receiving (it
         sent something in this step) leaves at once from the calling thread: waking the sender
-        thread costs more than the send. Otherwise it is queued for the peer's sender thread,
+        thread costs more than the send (even on a thread holding the compute lock: the
+        peer's receiver is posted and never blocks, so the send returns within the peer's
+        dispatch of its previous message). Otherwise it is queued for the peer's sender thread,
         which sends everything queued meanwhile as one frame (a burst of requests, one per
         module of a stage, costs one gloo send), so a caller never waits behind another
         message, a large transfer or a peer that is not receiving."""
@@ -275,10 +277,10 @@ class Transport:
     def _send_frame(self, dst: int, msgs: List[Message]) -> None:
         # One frame: [header length][body length][pickled headers][tensor bytes]. The receiver
         # posts a fixed-size buffer (gloo accepts a shorter message), so small messages cost a
-        # single send; a body too large for the frame follows as one more send. Assembled with
-        # numpy in a buffer kept per peer (used under the peer's send lock; a send has returned
-        # before the next): a handful of torch ops per message cost more than the transfer of
-        # a small one.
+        # single send; what does not fit follows in one more send each: the headers (rare: a
+        # huge non-tensor payload), then the body. Assembled with numpy in a buffer kept per
+        # peer (used under the peer's send lock; a send has returned before the next): a
+        # handful of torch ops per message cost more than the transfer of a small one.
         headers, body = [], []
         for msg in msgs:
             metas = []
@@ -291,19 +293,21 @@ class Transport:
                                    msg.meta, metas))
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.size for b in body)
-        inline = _PREFIX + len(header) + body_len <= FRAME_BYTES
         frame, nf = self._send_buffer(dst)
-        end = _PREFIX + len(header)
-        if end > FRAME_BYTES:  # (headers alone bigger than a frame: a frame of its own size)
-            frame = torch.empty(end, dtype=torch.uint8)
-            nf = frame.numpy()
         nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
-        nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
-        if inline:
-            for arr in body:
-                nf[end:end + arr.size] = arr
-                end += arr.size
-        dist.send(frame[:end], dst, group=self.group)
+        end = _PREFIX + len(header)
+        if end > FRAME_BYTES:
+            dist.send(frame[:_PREFIX], dst, group=self.group)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=self.group)
+            inline, end = False, 0
+        else:
+            nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
+            inline = end + body_len <= FRAME_BYTES
+            if inline:
+                for arr in body:
+                    nf[end:end + arr.size] = arr
+                    end += arr.size
+            dist.send(frame[:end], dst, group=self.group)
         if not inline and body_len:
             dist.send(torch.from_numpy(np.concatenate(body)), dst, group=self.group)
 
@@ -356,17 +360,20 @@ class Transport:
             src, _with_numpy(torch.empty(FRAME_BYTES, dtype=torch.uint8)))
         dist.recv(frame, src, group=self.group)
         header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
-        if _PREFIX + header_len > FRAME_BYTES:  # (a frame of its own size: see _send_frame)
-            frame, nf = _with_numpy(torch.empty(_PREFIX + header_len, dtype=torch.uint8))
-            dist.recv(frame, src, group=self.group)
-        msgs: List[Message] = pickle.loads(nf[_PREFIX:_PREFIX + header_len])
         start = _PREFIX + header_len
+        if start > FRAME_BYTES:  # the headers follow on their own (see _send_frame)
+            header = np.empty(header_len, dtype=np.uint8)
+            dist.recv(torch.from_numpy(header), src, group=self.group)
+            msgs: List[Message] = pickle.loads(header)
+        else:
+            msgs = pickle.loads(nf[_PREFIX:start])
         if start + body_len <= FRAME_BYTES:
             # No copy here: each tensor is copied out of the frame below, before the next receive.
             body = nf[start:start + body_len]
         else:
             body = np.empty(body_len, dtype=np.uint8)
-            dist.recv(torch.from_numpy(body), src, group=self.group)
+            if body_len:
+                dist.recv(torch.from_numpy(body), src, group=self.group)
         offset = 0
         for msg in msgs:
             tensors = []
