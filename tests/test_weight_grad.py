@@ -135,6 +135,30 @@ def test_deferred_products_are_grouped_computed_when_asked_bounded_and_flushed()
     _close(fused.weight.grad, plain.weight.grad)
 
 
+def test_a_group_computed_at_once_does_not_wake_the_idle_time_thread():
+    # Rows of a microbatch beyond the weight's bound: each product is computed in the backward
+    # (small weights, large microbatches). The idle-time thread must not be woken for it: on a
+    # model made of such layers it would wake once per layer and microbatch for nothing.
+    fused, plain, acc = _pair(bias=False, size=(40, 30))  # bound: 17 rows
+    woken = []
+    notify_all = acc._lock.notify_all
+    acc._lock.notify_all = lambda: (woken.append(1), notify_all())
+    g = torch.Generator().manual_seed(3)
+
+    def run(rows):
+        x = torch.randn(rows, 40, generator=g)
+        fused(x).pow(2).sum().backward()
+        plain(x).pow(2).sum().backward()
+
+    run(20)
+    run(20)
+    assert not acc.wait_for_work(timeout=0.0) and not woken
+    run(8)  # a complete group within the bound: queued for the thread, which is woken
+    assert acc.wait_for_work(timeout=0.0) and woken == [1]
+    acc.flush()
+    _close(fused.weight.grad, plain.weight.grad)
+
+
 def test_eager_mode_computes_in_the_backward():
     fused, plain, acc = _pair(bias=False)
     acc.deferred = False

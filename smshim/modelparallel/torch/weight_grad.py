@@ -70,6 +70,7 @@ class WeightGradAccumulator:
         self._open: Dict[int, list] = {}
         self._ready: "collections.deque[tuple]" = collections.deque()
         self._rows: collections.Counter = collections.Counter()
+        self._queued: collections.Counter = collections.Counter()  # complete groups, per key
         self._lock = threading.Condition()
         self.deferred = deferred
         # Set for the length of a pipeline step, whose end flushes: a forward runs fused only
@@ -112,16 +113,25 @@ class WeightGradAccumulator:
             group[2].append(x)
             group[3] += rows
             self._rows[key] += rows
+            complete = None
             if group[3] >= min(self.GROUP_ROWS, max(1, bound // 2)):
                 del self._open[key]
-                self._ready.append((key, param, group[1], group[2]))
-                self._lock.notify_all()
+                complete = (key, param, group[1], group[2])
             if self._rows[key] >= bound:
-                # Compute this weight's complete groups now, oldest first.
-                mine = [g for g in self._ready if g[0] == key]
-                self._ready = collections.deque(g for g in self._ready if g[0] != key)
-                for g in mine:
-                    self._compute_locked(g)
+                # Compute this weight's complete groups now, oldest first (the one just
+                # completed last; it is not queued, so the idle-time thread is not woken for it).
+                if self._queued[key]:
+                    mine = [g for g in self._ready if g[0] == key]
+                    self._ready = collections.deque(g for g in self._ready if g[0] != key)
+                    del self._queued[key]
+                    for g in mine:
+                        self._compute_locked(g)
+                if complete is not None:
+                    self._compute_locked(complete)
+            elif complete is not None:
+                self._ready.append(complete)
+                self._queued[key] += 1
+                self._lock.notify_all()
 
     def _compute_locked(self, group: tuple) -> None:
         key, param, gs, xs = group
@@ -143,7 +153,9 @@ class WeightGradAccumulator:
         with self._lock:
             if not self._ready:
                 return False
-            self._compute_locked(self._ready.popleft())
+            group = self._ready.popleft()
+            self._queued[group[0]] -= 1
+            self._compute_locked(group)
             return True
 
     def flush(self) -> None:
@@ -154,6 +166,7 @@ class WeightGradAccumulator:
         with self._lock, torch.no_grad():
             while self._ready:
                 self._compute_locked(self._ready.popleft())
+            self._queued.clear()
             for key, (param, gs, xs, _) in list(self._open.items()):
                 self._compute_locked((key, param, gs, xs))
             self._open.clear()
