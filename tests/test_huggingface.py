@@ -104,6 +104,57 @@ def test_transformers_smp_calls_pipeline_a_gpt2_like_single_process():
         assert torch.allclose(r["logits"], expected, atol=1e-5)
 
 
+def _gpt2_split_by_hand(steps):
+    import smdistributed.modelparallel.torch as smp
+    from smshim.modelparallel.torch import weight_grad
+
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "auto_partition": False,
+              "default_partition": 0})
+    module = _tiny_gpt2()
+    model = smp.DistributedModel(module)
+    for block in module.transformer.h[2:]:
+        smp.set_partition(block, 1)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, ids):
+        out = model(input_ids=ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    for _ in range(steps):
+        train_step(model, _ids())
+        opt.step()
+        opt.zero_grad()
+    # The Conv1D projections of this rank's blocks took the fused weight-gradient path.
+    fused = [name for name, m in module.named_modules()
+             if getattr(m.__dict__.get("forward"), "__qualname__", "").startswith(
+                 weight_grad.fused_forward.__name__)]
+    return fused, {n: p.detach() for n, p in model.local_named_parameters()}
+
+
+def test_gpt2_split_by_hand_trains_as_one_process():
+    # GPT-2's blocks on two ranks, four microbatches of one sequence: the parameters after three
+    # steps equal single-process training on the whole batch.
+    results = run_ranks(_gpt2_split_by_hand, 2, 3, timeout=180)
+    ref = _tiny_gpt2()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ids = _ids()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = sum(ref(input_ids=ids[i:i + 1], labels=ids[i:i + 1]).loss for i in range(4)) / 4
+        loss.backward()
+        opt.step()
+    for rank, (fused, _) in enumerate(results):
+        assert fused == [f"transformer.h.{b}.{p}" for b in (2 * rank, 2 * rank + 1)
+                         for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    merged = {**results[0][1], **results[1][1]}
+    assert sorted(merged) == sorted(n for n, _ in ref.named_parameters())
+    for n, p in ref.named_parameters():
+        assert (merged[n] - p.detach()).abs().max() < 1e-5, n
+
+
 def _accelerate_smddp():
     import torch.distributed as dist
     from accelerate import PartialState

@@ -31,15 +31,9 @@ def _close(a, b):
     assert (a - b).abs().max().item() < TOL
 
 
-def test_microbatches_sum_into_one_gradient_as_autograd_does():
-    fused, plain, acc = _pair()
-    xs = _inputs()
-    for x in xs:
-        y = fused(x)
-        assert type(y.grad_fn).__name__ == "_LinearAccumulatingBackward"
-        F.gelu(y).pow(2).sum().backward()
-        assert fused.weight.grad is None  # pending until the flush
-    x_grads = [x.grad.clone() for x in xs]
+def _same_as_plain_autograd(fused, plain, acc, xs, x_grads):
+    """The plain layer's backward on the same microbatches gives the gradients the fused one
+    gave (after the flush)."""
     for x in xs:
         x.grad = None
         F.gelu(plain(x)).pow(2).sum().backward()
@@ -48,6 +42,45 @@ def test_microbatches_sum_into_one_gradient_as_autograd_does():
     _close(fused.bias.grad, plain.bias.grad)
     for x, g in zip(xs, x_grads):
         _close(g, x.grad)
+
+
+def test_microbatches_sum_into_one_gradient_as_autograd_does():
+    fused, plain, acc = _pair()
+    xs = _inputs()
+    for x in xs:
+        y = fused(x)
+        assert type(y.grad_fn).__name__ == "_LinearAccumulatingBackward"
+        F.gelu(y).pow(2).sum().backward()
+        assert fused.weight.grad is None  # pending until the flush
+    _same_as_plain_autograd(fused, plain, acc, xs, [x.grad.clone() for x in xs])
+
+
+def test_hugging_face_conv1d_takes_the_same_path():
+    # GPT-2's projections: a linear layer with its weight stored in x out.
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    fused, plain = Conv1D(40, 30), Conv1D(40, 30)  # weight 30 x 40: at most 17 rows kept
+    plain.load_state_dict(fused.state_dict())
+    acc = wg.WeightGradAccumulator()
+    acc.active = True
+    assert wg.install({"c_fc": fused}, lambda name: True, acc) == [fused]
+    g = torch.Generator().manual_seed(1)
+    # 2 rows each: grouped by 4, computed when asked, at the bound, and at the flush.
+    xs = [torch.randn(1, 2, 30, generator=g, requires_grad=True) for _ in range(23)]
+    x_grads = []
+    for i, x in enumerate(xs):
+        y = fused(x)
+        assert type(y.grad_fn).__name__ == "_Conv1DAccumulatingBackward"
+        assert torch.equal(y, plain(x))  # the forward Conv1D computes, op for op
+        F.gelu(y).pow(2).sum().backward()
+        x_grads.append(x.grad.clone())
+        if i == 5:  # 12 rows: one group of 8 complete
+            assert acc.compute_one() and not acc.compute_one()
+    assert fused.weight.grad is None  # pending until the flush
+    _same_as_plain_autograd(fused, plain, acc, xs, x_grads)
+    wg.uninstall([fused])
+    assert type(fused(xs[0]).grad_fn).__name__ != "_Conv1DAccumulatingBackward"
 
 
 def test_existing_grad_is_added_to():

@@ -1,5 +1,5 @@
-"""Weight gradients of `nn.Linear` accumulated in place across a step's microbatches, computed
-off the pipeline's critical path.
+"""Weight gradients of `nn.Linear` (and of Hugging Face's `Conv1D`, GPT-2's projections)
+accumulated in place across a step's microbatches, computed off the pipeline's critical path.
 
 Plain autograd gives every microbatch's backward of a linear layer a fresh weight gradient
 (`dW = dY^T X`, a new weight-sized tensor) and then adds it to `.grad`: for a microbatch of a few
@@ -14,8 +14,9 @@ same sum over microbatches (grouped: the rounding differs as between microbatch 
 same every run), and the input gradient reaches the previous stage a weight gradient sooner. The
 rows kept for a weight never outgrow the weight itself (past that, they are computed at once).
 
-Used only where its flush is certain: a `nn.Linear` owned by this rank, run inside a pipeline step
-(the step's end flushes before any gradient reduction). Everything else takes the ordinary path:
+Used only where its flush is certain: a `nn.Linear` or `Conv1D` owned by this rank, run inside a
+pipeline step (the step's end flushes before any gradient reduction). Everything else takes the
+ordinary path:
 no grad, autocast, fp16/bf16 weights, double backward (`create_graph`), tensor subclasses, and
 weights with hooks of their own (their hooks expect one call per microbatch).
 `SMSHIM_FUSED_WGRAD=0` turns it off; `SMSHIM_FUSED_WGRAD=eager` (and `deterministic_server`)
@@ -96,21 +97,21 @@ class WeightGradAccumulator:
         else:
             fn(entry[1])
 
-    def add_product(self, param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-        """Add `grad_out^T x` (rows x out, rows x in) to `param`'s gradient, now or (deferred)
-        later."""
+    def add_product(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add `a^T b` (`a`, `b`: the same rows) to `param`'s gradient, now or (deferred) later:
+        `dY^T X` for a `nn.Linear` weight (out x in), `X^T dY` for a Conv1D one (in x out)."""
         if not self.deferred:
-            self.add(param, lambda t: _product(grad_out, x, t))
+            self.add(param, lambda t: _product(a, b, t))
             return
-        key, rows = id(param), grad_out.shape[0]
+        key, rows = id(param), a.shape[0]
         # A row of dY and X holds sum(shape) numbers, the weight numel(): keep fewer rows.
         bound = max(1, param.numel() // sum(param.shape))
         with self._lock:
             group = self._open.get(key)
             if group is None:
                 group = self._open[key] = [param, [], [], 0]
-            group[1].append(grad_out)
-            group[2].append(x)
+            group[1].append(a)
+            group[2].append(b)
             group[3] += rows
             self._rows[key] += rows
             complete = None
@@ -181,39 +182,76 @@ class WeightGradAccumulator:
         return bool(self._pending) or bool(self._open) or bool(self._ready)
 
 
-def _product(g: torch.Tensor, x: torch.Tensor, target: Optional[torch.Tensor]) -> torch.Tensor:
-    """`g^T x`, added into `target` in place, or (target None) as a new tensor."""
-    return g.t().mm(x) if target is None else target.addmm_(g.t(), x)
+def _product(a: torch.Tensor, b: torch.Tensor, target: Optional[torch.Tensor]) -> torch.Tensor:
+    """`a^T b`, added into `target` in place, or (target None) as a new tensor."""
+    return a.t().mm(b) if target is None else target.addmm_(a.t(), b)
+
+
+def _keep_for_backward(ctx, acc: WeightGradAccumulator, x: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> None:
+    ctx.acc = acc
+    # The parameters themselves: under activation checkpointing the saved tensors come back as
+    # recomputed aliases, whose .grad is not the parameter's.
+    ctx.params = (weight, bias)
+    ctx.save_for_backward(x, weight)
+
+
+def _parameter_grads(ctx, grad_x: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+                     g2: torch.Tensor) -> tuple:
+    """The backward's return value, the weight gradient `a^T b` and the bias gradient (`g2`
+    summed over rows) left to the accumulator; under `create_graph` returned, as autograd
+    would, to be part of the graph."""
+    w_param, b_param = ctx.params
+    need_w, need_b = ctx.needs_input_grad[2:4]
+    if torch.is_grad_enabled():
+        return (None, grad_x, a.t().mm(b) if need_w else None, g2.sum(0) if need_b else None)
+    if need_w:
+        ctx.acc.add_product(w_param, a, b)
+    if need_b:
+        ctx.acc.add(b_param, lambda t: g2.sum(0) if t is None else t.add_(g2.sum(0)))
+    return None, grad_x, None, None
 
 
 class _LinearAccumulating(torch.autograd.Function):
     @staticmethod
     def forward(ctx, acc: WeightGradAccumulator, x: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.acc = acc
-        # The parameters themselves: under activation checkpointing the saved tensors come back
-        # as recomputed aliases, whose .grad is not the parameter's.
-        ctx.params = (weight, bias)
-        ctx.save_for_backward(x, weight)
+        _keep_for_backward(ctx, acc, x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        w_param, b_param = ctx.params
-        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
-        grad_x = grad_out.matmul(weight) if need_x else None
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[1] else None
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if torch.is_grad_enabled():
-            # create_graph: the gradients must be part of the graph; return them as autograd does.
-            return (None, grad_x, g2.t().mm(x2) if need_w else None,
-                    g2.sum(0) if need_b else None)
-        if need_w:
-            ctx.acc.add_product(w_param, g2, x2)
-        if need_b:
-            ctx.acc.add(b_param, lambda t: g2.sum(0) if t is None else t.add_(g2.sum(0)))
-        return None, grad_x, None, None
+        return _parameter_grads(ctx, grad_x, g2, x.reshape(-1, x.shape[-1]), g2)
+
+
+class _Conv1DAccumulating(torch.autograd.Function):
+    """Hugging Face's `Conv1D` (GPT-2's projections): a linear layer whose weight is stored
+    in x out, computed as its own forward computes it (`addmm(bias, x, W)`)."""
+
+    @staticmethod
+    def forward(ctx, acc: WeightGradAccumulator, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:
+        _keep_for_backward(ctx, acc, x, weight, bias)
+        out = torch.addmm(bias, x.view(-1, x.size(-1)), weight)
+        return out.view(x.size()[:-1] + (weight.shape[1],))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = g2.mm(weight.t()).view(x.shape) if ctx.needs_input_grad[1] else None
+        return _parameter_grads(ctx, grad_x, x.reshape(-1, x.shape[-1]), g2, g2)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's `transformers.pytorch_utils.Conv1D` (recognised without importing it)."""
+    cls = type(module)
+    return (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+            and isinstance(getattr(module, "bias", None), torch.Tensor)
+            and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
 def _plain(param: Optional[torch.Tensor]) -> bool:
@@ -228,10 +266,12 @@ def _plain(param: Optional[torch.Tensor]) -> bool:
     return not hooks or all(getattr(h, "_smshim_reducer", False) for h in hooks.values())
 
 
-def fused_forward(module: nn.Linear, acc: WeightGradAccumulator
+def fused_forward(module: nn.Module, acc: WeightGradAccumulator
                   ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An instance `forward` for `module`: fused while `acc` is active (inside a step)."""
+    """An instance `forward` for `module` (a `nn.Linear` or a Conv1D): fused while `acc` is
+    active (inside a step)."""
     cls_forward = type(module).forward
+    fn = _LinearAccumulating if type(module) is nn.Linear else _Conv1DAccumulating
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         w, b = module.weight, module.bias
@@ -239,7 +279,7 @@ def fused_forward(module: nn.Linear, acc: WeightGradAccumulator
                 or torch.is_autocast_enabled() or not _plain(w) or not _plain(b)
                 or type(x) is not torch.Tensor or x.dtype != w.dtype or w.dtype not in _FULL):
             return cls_forward(module, x)
-        return _LinearAccumulating.apply(acc, x, w, b)
+        return fn.apply(acc, x, w, b)
 
     forward.__name__ = "forward"
     return forward
@@ -247,12 +287,14 @@ def fused_forward(module: nn.Linear, acc: WeightGradAccumulator
 
 def install(modules: Dict[str, nn.Module], owned: Callable[[str], bool],
             acc: WeightGradAccumulator) -> list:
-    """Give this rank's plain `nn.Linear` modules the fused forward; returns them (to undo)."""
+    """Give this rank's plain `nn.Linear` and Conv1D modules the fused forward; returns them (to
+    undo)."""
     if not enabled_by_env():
         return []
     done = []
     for name, module in modules.items():
-        if type(module) is nn.Linear and "forward" not in module.__dict__ and owned(name):
+        if ((type(module) is nn.Linear or _is_conv1d(module))
+                and "forward" not in module.__dict__ and owned(name)):
             module.forward = fused_forward(module, acc)
             done.append(module)
     return done
