@@ -16,9 +16,8 @@ rows kept for a weight never outgrow the weight itself (past that, they are comp
 
 Used only where its flush is certain: a `nn.Linear` or `Conv1D` owned by this rank, run inside a
 pipeline step (the step's end flushes before any gradient reduction). Everything else takes the
-ordinary path:
-no grad, autocast, fp16/bf16 weights, double backward (`create_graph`), tensor subclasses, and
-weights with hooks of their own (their hooks expect one call per microbatch).
+ordinary path: no grad, autocast, fp16/bf16 weights, double backward (`create_graph`), tensor
+subclasses, and weights with hooks of their own (their hooks expect one call per microbatch).
 `SMSHIM_FUSED_WGRAD=0` turns it off; `SMSHIM_FUSED_WGRAD=eager` (and `deterministic_server`)
 computes each microbatch's weight gradient in its backward, into the same buffer.
 """
@@ -65,9 +64,9 @@ class WeightGradAccumulator:
 
     def __init__(self, deferred: bool = True) -> None:
         self._pending: Dict[int, tuple] = {}  # id(param) -> (param, buffer)
-        # Weight gradients not yet computed: the group being filled, per parameter, as
-        # id(param) -> [param, [dY], [X], rows]; complete groups (key, param, [dY], [X]), oldest
-        # first; rows kept per parameter.
+        # Weight gradients not yet computed (products a^T b, see add_product): the group being
+        # filled, per parameter, as id(param) -> [param, [a], [b], rows]; complete groups
+        # (key, param, [a], [b]), oldest first; rows kept per parameter.
         self._open: Dict[int, list] = {}
         self._ready: "collections.deque[tuple]" = collections.deque()
         self._rows: collections.Counter = collections.Counter()
@@ -135,12 +134,12 @@ class WeightGradAccumulator:
                 self._lock.notify_all()
 
     def _compute_locked(self, group: tuple) -> None:
-        key, param, gs, xs = group
-        g = gs[0] if len(gs) == 1 else torch.cat(gs)
-        x = xs[0] if len(xs) == 1 else torch.cat(xs)
-        self._rows[key] -= g.shape[0]
+        key, param, as_, bs = group
+        a = as_[0] if len(as_) == 1 else torch.cat(as_)
+        b = bs[0] if len(bs) == 1 else torch.cat(bs)
+        self._rows[key] -= a.shape[0]
         with torch.no_grad():
-            self._add_locked(param, lambda t: _product(g, x, t))
+            self._add_locked(param, lambda t: _product(a, b, t))
 
     def wait_for_work(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) until a complete group of kept products is there."""
@@ -168,8 +167,8 @@ class WeightGradAccumulator:
             while self._ready:
                 self._compute_locked(self._ready.popleft())
             self._queued.clear()
-            for key, (param, gs, xs, _) in list(self._open.items()):
-                self._compute_locked((key, param, gs, xs))
+            for key, (param, as_, bs, _) in list(self._open.items()):
+                self._compute_locked((key, param, as_, bs))
             self._open.clear()
             pending, self._pending = self._pending, {}
             for param, buf in pending.values():
