@@ -171,10 +171,9 @@ class ModuleServer:
         self.on_local_backward_done: Optional[Callable[[], None]] = None
         self._real_forward: Dict[str, Callable[..., Any]] = {}
         # This rank's linear layers accumulate their weight gradients in one buffer per weight
-        # across microbatches (weight_grad.py).
-        # Their weight gradients are computed when the rank has nothing else to run, by a
-        # thread taking the compute lock behind every forward and backward (deterministic_server:
-        # in each backward, so that the sums group the same way every run).
+        # across microbatches (weight_grad.py), computed when the rank has nothing else to run
+        # by a thread taking the compute lock behind every forward and backward
+        # (deterministic_server: in each backward, so the sums group the same way every run).
         self.weight_grads = weight_grad.WeightGradAccumulator(
             weight_grad.deferred_by_env() and not deterministic)
         self._fused: list = []
@@ -791,8 +790,12 @@ class ModuleServer:
         with self._cond:
             self._own_per_mb[direction] = max(self._own_per_mb[direction],
                                               self._own_runs[(direction, mb)])
-            (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
-            self._cond.notify_all()
+            self._next_turn_locked(direction, mb)
+
+    def _next_turn_locked(self, direction: str, mb: int) -> None:
+        """Microbatch `mb` is done with `direction` here: the next one's turn (under _cond)."""
+        (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
+        self._cond.notify_all()
 
     def _own_run(self, direction: str, mb: int) -> None:
         """pp_rank 0 ran one of its own modules for microbatch `mb`. Once it has run as many as
@@ -801,8 +804,7 @@ class ModuleServer:
         with self._cond:
             self._own_runs[(direction, mb)] += 1
             if 0 < self._own_per_mb[direction] <= self._own_runs[(direction, mb)]:
-                (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
-                self._cond.notify_all()
+                self._next_turn_locked(direction, mb)
 
     # Admission (interleaved: bounded activations per rank) ---------------------------------
     def _admit(self, mb: int, step: int) -> None:

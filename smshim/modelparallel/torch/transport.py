@@ -293,7 +293,7 @@ class Transport:
                                    msg.meta, metas))
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.size for b in body)
-        frame, nf = self._send_buffer(dst)
+        frame, nf = _frame_buffer(self._send_frames, dst)
         nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
         end = _PREFIX + len(header)
         if end > FRAME_BYTES:
@@ -310,13 +310,6 @@ class Transport:
             dist.send(frame[:end], dst, group=self.group)
         if not inline and body_len:
             dist.send(torch.from_numpy(np.concatenate(body)), dst, group=self.group)
-
-    def _send_buffer(self, dst: int):
-        buf = self._send_frames.get(dst)
-        if buf is None:
-            t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-            buf = self._send_frames[dst] = (t, t.numpy())
-        return buf
 
     # ---- receiving --------------------------------------------------------------------------
     def _recv_loop(self, peer: int) -> None:
@@ -356,8 +349,7 @@ class Transport:
                 self._dispatch(msg)
 
     def _recv_frame(self, src: int) -> List[Message]:
-        frame, nf = self._frames.get(src) or self._frames.setdefault(
-            src, _with_numpy(torch.empty(FRAME_BYTES, dtype=torch.uint8)))
+        frame, nf = _frame_buffer(self._frames, src)
         dist.recv(frame, src, group=self.group)
         header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
         start = _PREFIX + header_len
@@ -415,8 +407,14 @@ class _Outbox:
         self.busy = False  # a frame to this peer is being sent (by its sender thread or inline)
 
 
-def _with_numpy(t: torch.Tensor) -> tuple:
-    return t, t.numpy()
+def _frame_buffer(buffers: Dict[int, tuple], rank: int) -> tuple:
+    """The frame-sized buffer kept for `rank` in `buffers` (made on first use), as a tensor for
+    gloo and the numpy array over the same memory."""
+    buf = buffers.get(rank)
+    if buf is None:
+        t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        buf = buffers[rank] = (t, t.numpy())
+    return buf
 
 
 # dtypes numpy holds natively: their bytes become a tensor without torch's reinterpreting views.
