@@ -178,6 +178,7 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     cpu: Dict[str, List[float]] = {k: [] for k in systems}
     losses: Dict[str, List[float]] = {k: [] for k in systems}
     sent_before: Counter = Counter()
+    frames_before: Counter = Counter()
     for i, (x, targets) in enumerate(make_batches(warmup + steps)):
         order = list(systems)[i % 3:] + list(systems)[:i % 3]
         for name in order:
@@ -190,9 +191,13 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
             losses[name].append(loss)
         if i == warmup - 1:
             sent_before = Counter(model._pipeline.transport.sent_messages)
+            frames_before = Counter(model._pipeline.transport.sent_frames)
     transport = model._pipeline.transport
     per_step = {f"{kind}->{peer}": n / steps
                 for (kind, peer), n in (Counter(transport.sent_messages) - sent_before).items()}
+    # Frames (one gloo send each, the messages queued together): what costs CPU per message.
+    per_step.update({f"frames->{peer}": n / steps
+                     for peer, n in (Counter(transport.sent_frames) - frames_before).items()})
     owned = sorted({n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks.") else "")
                     for n, _ in model.local_named_parameters()})
     peak = model._pipeline.server.peak_live_microbatches

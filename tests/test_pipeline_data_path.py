@@ -322,6 +322,61 @@ def test_chain_moves_activations_and_gradients_only_between_neighbours():
                 assert got == 0, (src, dst, got, by_kind)
 
 
+# ---- a stage's calls of one microbatch leave pp_rank 0 together ------------------------------
+
+class Loop(nn.Module):
+    """Blocks in a ModuleList looped over, the head computing the loss (the model as written)."""
+
+    def __init__(self, d: int = D, n: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+def _loop_frames(m, steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = Loop()
+    model = smp.DistributedModel(module)
+    for block in module.blocks[2:]:
+        smp.set_partition(block, 1)
+    smp.set_partition(module.head, 1)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    for i in range(steps):
+        if i == steps - 1:  # the last step only (the first one waits for output shapes)
+            transport = model._pipeline.transport
+            messages, frames = dict(transport.sent_messages), dict(transport.sent_frames)
+        train_step(model, torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g))
+    return ({key: n - messages.get(key, 0) for key, n in transport.sent_messages.items()},
+            {peer: n - frames.get(peer, 0) for peer, n in transport.sent_frames.items()})
+
+
+def test_a_stages_calls_of_one_microbatch_leave_together():
+    m = 4
+    messages, frames = run_ranks(_loop_frames, 2, m, 3, timeout=180)[0]
+    # Per microbatch: 5 forward and 5 backward requests (blocks 2-5, head), fetching the loss,
+    # saying the microbatch is done; one frame for the forward calls, one for the backward ones,
+    # one for the fetch (the microbatch-done notice rides along with a later frame, or leaves
+    # on its own at the deadline). Sent one frame each, they were 12.
+    assert messages[("fwd_req", 1)] == messages[("bwd_req", 1)] == 5 * m, messages
+    assert frames[1] <= 4 * m + 2, (frames, messages)
+
+
 # ---- a dead peer is reported, naming it -----------------------------------------------------
 
 DEAD_PEER_SCRIPT = r"""

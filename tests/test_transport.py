@@ -67,3 +67,94 @@ def test_messages_arrive_in_order_and_answering_receivers_never_wait_on_each_oth
     for rank, counts in enumerate(sent):
         # N pings, the rally's first shot and its answers to the peer's N + 1, CLOSE
         assert counts == {("value", 1 - rank): 2 * N + 1, ("close", 1 - rank): 1}
+
+
+def _held(hold_s):
+    """pp_rank 0's way of sending: messages held to leave together (Transport.send's `hold`)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from smshim import _runtime
+    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
+
+    torch.set_num_threads(1)
+    _runtime.init_distributed()
+    me = dist.get_rank()
+    n = dist.get_world_size()
+    group = dist.new_group(list(range(n)), backend="gloo", timeout=datetime.timedelta(seconds=20))
+    got, acks = [], []
+    cond = threading.Condition()
+
+    def dispatch(msg):
+        with cond:
+            (acks if msg.meta[0] == "ack" else got).append((msg.meta, msg.tensors))
+            cond.notify_all()
+
+    def wait_for(items, count):
+        with cond:
+            assert cond.wait_for(lambda: len(items) >= count, timeout=30), (me, items)
+
+    def msg(tag, i):
+        return Message(VALUE, 0, i, meta=(tag, i), tensors=[torch.full((3,), float(i))])
+
+    transport = Transport(list(range(n)), me, group, dispatch, 30.0, torch.device("cpu"),
+                          hold_s=hold_s)
+    transport.open_session()
+    frames = []
+    if me == 0:
+        # (Once the peer is known to be receiving, a flush sends from this thread, at once.)
+        wait_for(acks, n - 1)
+        # A burst to one peer, flushed: one frame. Held, then one not held: one frame, in order.
+        for i in range(5):
+            transport.send(1, msg("burst", i), hold=True)
+        transport.flush()
+        for i in range(5, 8):
+            transport.send(1, msg("burst", i), hold=True)
+        transport.send(1, msg("burst", 8))
+        wait_for(acks, n)
+        frames.append(dict(transport.sent_frames))
+        # Held and never flushed: they leave at the deadline all the same.
+        transport.send(1, msg("late", 0), hold=True)
+        transport.send(1, msg("late", 1), hold=True)
+        wait_for(acks, n + 1)
+        frames.append(dict(transport.sent_frames))
+        if n == 3:
+            # Calls moving on to another peer send what was held for the previous one.
+            transport.send(1, msg("switch", 0), hold=True)
+            transport.send(2, msg("switch", 1), hold=True)
+            transport.send(1, msg("switch", 2), hold=True)
+            transport.flush()
+            wait_for(acks, n + 3)
+            frames.append(dict(transport.sent_frames))
+    else:
+        expect = {1: [("burst", 9), ("late", 2)] + [("switch", 2)] * (n == 3),
+                  2: [("switch", 1)]}[me]
+        transport.send(0, Message(VALUE, 0, 0, meta=("ack", "hello")))
+        seen = 0
+        for tag, count in expect:
+            seen += count
+            wait_for(got, seen)
+            transport.send(0, Message(VALUE, 0, 0, meta=("ack", tag)))
+    transport.close_session(0)
+    transport.shutdown()
+    return frames, [(meta, t[0].tolist()) for meta, t in got]
+
+
+def test_held_messages_leave_together_in_order_and_never_stay():
+    results = run_ranks(_held, 2, 0.3, timeout=120)
+    frames, _ = results[0]
+    assert frames[0][1] == 2, frames  # 9 messages in 2 frames
+    assert frames[1][1] == 3, frames  # the 2 held ones went at their deadline, together
+    _, got = results[1]
+    assert [m for m, _ in got] == [("burst", i) for i in range(9)] + [("late", 0), ("late", 1)]
+    assert all(t == [float(m[1])] * 3 for m, t in got)
+
+
+def test_held_messages_leave_when_the_calls_move_on_to_another_peer():
+    results = run_ranks(_held, 3, 0.3, timeout=120)
+    frames = results[0][0]
+    assert frames[2][1] - frames[1][1] == 2 and frames[2][2] == 1, frames
+    assert [m for m, _ in results[1][1]][-2:] == [("switch", 0), ("switch", 2)]
+    assert [m for m, _ in results[2][1]] == [("switch", 1)]

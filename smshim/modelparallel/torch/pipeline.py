@@ -110,8 +110,7 @@ class Pipeline:
                 args, kwargs = mb_inputs[mb]
                 out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
-                results[mb] = self.server.materialize(out)  # every rank gets the values
-                self.server.finish_microbatch(mb)
+                results[mb] = self.server.finish_microbatch(mb, out)  # values, on every rank
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(
@@ -160,6 +159,7 @@ class Pipeline:
         mb = ctx.microbatch
         deadline = time.monotonic() + self.timeout_s
         self._mark_forward_done(mb)
+        self.transport.flush()  # the forward's calls leave before this thread waits
         with self._cond:
             while not schedule.may_start_backward(self._forwards_done) or (
                     self.deterministic and not self._backward_finished.issuperset(range(mb))):
@@ -173,6 +173,7 @@ class Pipeline:
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
+        self.transport.flush()
         self.server.turn_done(BACKWARD, mb)
         with self._cond:
             self._backward_finished.add(mb)

@@ -330,6 +330,7 @@ class ModuleServer:
 
     def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
+        self.transport.flush()  # what this thread held may be what the reply waits for
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
                 msg = box.get(timeout=self.timeout_s)
@@ -352,6 +353,7 @@ class ModuleServer:
         value = self.store.peek(key)
         if value is not None:
             return value
+        self.transport.flush()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:
                 return self.store.get(key, lambda: (
@@ -388,6 +390,7 @@ class ModuleServer:
 
     def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
         if call.owner == self.me:  # a local region: the same path, without the network
+            self.transport.flush()  # held calls to other stages go before this one computes
             values = [self._real(t) for t in tensors]
             self._wait_turn(self._fwd_turns, call.microbatch, call.what("forward"))
             call.call_id = next(self._ids)
@@ -405,8 +408,10 @@ class ModuleServer:
                 tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))
         pred = None if (sync or not self.predict) else self._predictions.get(pkey)
         call.call_id = call_id = next(self._ids)
-        enc, inline = self._encode(tensors, call.owner, call.microbatch)
+        # pp_rank 0's requests that need no reply are held to leave with the next ones to the
+        # same rank (a stage's calls of one microbatch: one frame; Transport.send, `hold`).
         reply = "data" if sync else ("meta" if pred is None else None)
+        enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
         if not sync:
             with self._cond:
                 self._visited[call.microbatch].add(call.owner)
@@ -416,7 +421,7 @@ class ModuleServer:
                 FWD_REQ, call.step, call.microbatch, call_id, call.module,
                 meta=(template_bytes, enc, call.requires, grad_enabled, reply,
                       pred.expect if pred is not None else None),
-                tensors=inline))
+                tensors=inline), hold=reply is None)
             if box is not None:
                 msg = self._wait_reply(box, call.owner, call.what("forward"))
         finally:
@@ -441,6 +446,7 @@ class ModuleServer:
     def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
         n = len(call.requires)
         if call.owner == self.me:
+            self.transport.flush()
             values = [None if g is None else self._real(g) for g in grads]
             self._wait_turn(self._bwd_turns, call.microbatch, call.what("backward"))
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
@@ -448,13 +454,13 @@ class ModuleServer:
             self._own_run(BACKWARD, call.microbatch)
             return in_grads + [None] * (n - len(in_grads))
         sync = self.me != 0
-        enc, inline = self._encode(grads, call.owner, call.microbatch)
+        enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)
         # Gradients this rank will need as values come unasked; the others stay with the owner
         # until the next call up the chain asks for them to be sent where it runs.
         push = [i for i in range(n) if call.requires[i] and (sync or not call.remote_in[i])]
         self.transport.send(call.owner, Message(
             BWD_REQ, call.step, call.microbatch, call.call_id, call.module, meta=(enc, push),
-            tensors=inline))
+            tensors=inline), hold=not sync)
         in_grads: List[Optional[torch.Tensor]] = []
         for i in range(n):
             if not call.requires[i]:
@@ -471,7 +477,8 @@ class ModuleServer:
                 in_grads.append(RemoteTensor(cell, shape, dtype, self.device))
         return in_grads
 
-    def _encode(self, tensors: List[Optional[torch.Tensor]], dst: int, mb: int):
+    def _encode(self, tensors: List[Optional[torch.Tensor]], dst: int, mb: int,
+                hold: bool = False):
         """How `dst` finds each tensor: sent inline ("t", i), held by dst or sent to it by its
         owner ("r", key, owner), or a lazy sum of such ("s", [...]); None stays None."""
         inline: List[torch.Tensor] = []
@@ -490,7 +497,7 @@ class ModuleServer:
                             cell.sent_to.add(dst)
                         if ask:
                             self.transport.send(cell.owner, Message(
-                                SEND_TO, ctx.step, mb, meta=(cell.key, dst)))
+                                SEND_TO, ctx.step, mb, meta=(cell.key, dst)), hold=hold)
                     return ("r", cell.key, cell.owner)
                 t = cell.value
             inline.append(t)
@@ -524,23 +531,31 @@ class ModuleServer:
         key = cell.key
         if cell.owner == self.me:
             return self._get_value(key, self.me, cell.what)
-        with cell.lock:
-            ask = not cell.pushed and not cell.fetching
-            cell.fetching = True
-        if ask and self.store.peek(key) is None:
-            self.transport.send(cell.owner, Message(FETCH, ctx.step, cell.microbatch, meta=key))
+        self._ask(cell)
         return self._get_value(key, cell.owner, f"{cell.what} (microbatch {cell.microbatch}, "
                                                 f"step {ctx.step})")
 
+    def _ask(self, cell: _Cell, hold: bool = False) -> None:
+        """Ask a handle's owner for its value (the terms' owners, for a lazy sum), once, unless
+        it comes anyway (pushed, or here already)."""
+        if cell.value is not None:
+            return
+        if cell.terms is not None:
+            for term in cell.terms:
+                if isinstance(term, _Cell):
+                    self._ask(term, hold)
+            return
+        if cell.owner == self.me or cell.step != self._step:  # (the latter: _fetch says why)
+            return
+        with cell.lock:
+            ask = not cell.pushed and not cell.fetching
+            cell.fetching = True
+        if ask and self.store.peek(cell.key) is None:
+            self.transport.send(cell.owner, Message(FETCH, ctx.step, cell.microbatch,
+                                                    meta=cell.key), hold=hold)
+
     def _real(self, t: torch.Tensor) -> torch.Tensor:
         return t.materialize() if isinstance(t, RemoteTensor) else t
-
-    def materialize(self, obj: Any) -> Any:
-        """`obj` with every handle replaced by its value (a step's results)."""
-        template, tensors = flatten(obj)
-        if not any(isinstance(t, RemoteTensor) for t in tensors):
-            return obj
-        return fill(template, [self._real(t) for t in tensors])
 
     def _new_box(self, call_id: int) -> "queue.Queue[Message]":
         box: "queue.Queue[Message]" = queue.Queue()
@@ -896,11 +911,23 @@ class ModuleServer:
         self.store.clear()
         self._step = -1  # handles kept past the step now say so instead of waiting
 
-    def finish_microbatch(self, mb: int) -> None:
-        """pp_rank 0: microbatch `mb` is over; its values can go, here and on the peers."""
+    def finish_microbatch(self, mb: int, out: Any) -> Any:
+        """pp_rank 0: microbatch `mb`'s body returned `out`; returns it with every handle
+        replaced by its value (every rank gets the step's results), and tells the peers that the
+        microbatch is over, so its values can go, there and here. The fetches and the notice
+        leave together: a peer answers a fetch before it sees the notice that follows it, and
+        drops nothing that a request still running there will make."""
+        template, tensors = flatten(out)
+        handles = [t for t in tensors if isinstance(t, RemoteTensor)]
+        for t in handles:
+            self._ask(t._cell, hold=True)
         for peer in self.transport.peers:
-            self.transport.send(peer, Message(MB_DONE, ctx.step, mb))
+            self.transport.send(peer, Message(MB_DONE, ctx.step, mb), hold=True)
+        self.transport.flush()
+        if handles:
+            out = fill(template, [self._real(t) for t in tensors])
         self.store.drop_microbatch(mb)
+        return out
 
     def forward_done(self, mb: int) -> None:
         """pp_rank 0: microbatch `mb` will make no more forward calls. The peers it called learn

@@ -10,7 +10,8 @@ send waits for the peer's receive), and the sender thread takes everything queue
 and sends it as one frame: a small header (two int64 lengths, then the pickled `Message`s
 without their tensors, which carry their shapes and dtypes) and the tensors' bytes, in a single
 send when it fits in FRAME_BYTES (see `_send_frame`). Tensors travel through CPU memory on a gloo
-group, whatever the compute device.
+group, whatever the compute device. A sender may hold a message back to leave with the next ones
+(`send(hold=True)`, then `flush`): pp_rank 0 sends a stage's calls of one microbatch as one frame.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -77,6 +78,10 @@ FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
 # `Transport.send`): a small send returns at once, a large one would hold its caller back.
 _INLINE_BYTES = 1 << 16
 _PREFIX = 16  # two int64 lengths
+# The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
+# pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
+# that held them normally flushes them well before.
+HOLD_S = 0.005
 
 
 class Transport:
@@ -84,13 +89,15 @@ class Transport:
 
     def __init__(self, ranks: List[int], my_pp_rank: int, group: dist.ProcessGroup,
                  dispatch: Callable[[Message], None], timeout_s: float,
-                 device: torch.device, timeline=None) -> None:
+                 device: torch.device, timeline=None, hold_s: float = HOLD_S) -> None:
         self.ranks = ranks
+        self.hold_s = hold_s
         self.timeline = timeline
         # What this rank sent, by (kind, peer pp rank): messages, and tensor bytes. The
         # benchmarks and tests read these to show which rank sent what to whom.
         self.sent_messages: collections.Counter = collections.Counter()
         self.sent_bytes: collections.Counter = collections.Counter()
+        self.sent_frames: collections.Counter = collections.Counter()  # by peer pp rank
         self.me = my_pp_rank
         self.group = group
         self.timeout_s = timeout_s
@@ -113,6 +120,7 @@ class Transport:
         # the peer's receive: to a peer not yet, or no longer, in the step it would block).
         self._heard: Dict[int, bool] = {p: False for p in self.peers}
         self._outbox: Dict[int, _Outbox] = {}
+        self._holding = threading.local()  # .peers: see _held_peers
         for peer in self.peers:
             self._send_locks[peer] = threading.Lock()
             self._outbox[peer] = _Outbox()
@@ -194,55 +202,118 @@ class Transport:
         self.check()
 
     # ---- sending ----------------------------------------------------------------------------
-    def send(self, peer: int, msg: Message, wait: bool = False) -> None:
+    def send(self, peer: int, msg: Message, wait: bool = False, hold: bool = False) -> None:
         """Send `msg` to `peer`, or queue it; with `wait`, return once it has left. Messages to
         a peer arrive in the order they were sent. A small message finding the link to its peer
-        idle (nothing queued, nothing being sent) while the peer is known to be receiving (it
-        sent something in this step) leaves at once from the calling thread: waking the sender
-        thread costs more than the send (even on a thread holding the compute lock: the
-        peer's receiver is posted and never blocks, so the send returns within the peer's
-        dispatch of its previous message). Otherwise it is queued for the peer's sender thread,
-        which sends everything queued meanwhile as one frame (a burst of requests, one per
-        module of a stage, costs one gloo send), so a caller never waits behind another
-        message, a large transfer or a peer that is not receiving."""
+        idle (nothing being sent) while the peer is known to be receiving (it sent something in
+        this step) leaves at once from the calling thread, with whatever was queued before it:
+        waking the sender thread costs more than the send (even on a thread holding the compute
+        lock: the peer's receiver is posted and never blocks, so the send returns within the
+        peer's dispatch of its previous message). Otherwise it is queued for the peer's sender
+        thread, which sends everything queued meanwhile as one frame, so a caller never waits
+        behind another message, a large transfer or a peer that is not receiving.
+
+        `hold`: the message may wait for the ones the calling thread sends next, to leave with
+        them in one frame: each frame costs both ranks' CPU (gloo's event loop and a receive,
+        ~1 ms in all on a busy 2-core machine), and pp_rank 0 issues a stage's calls one after
+        another (one request per module). Held messages leave when this thread calls `flush`
+        (before it computes or waits for anything), when a message that is not held is sent to
+        the same peer, or at the latest `hold_s` after the first of them (the sender thread's
+        deadline: a thread that forgets to flush delays, never loses, what it held)."""
         self.check()
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
         self.sent_messages[(msg.kind, peer)] += 1
         self.sent_bytes[(msg.kind, peer)] += nbytes
         done = threading.Event() if wait else None
         box = self._outbox[peer]
+        if hold and not wait:
+            held = self._held_peers()
+            if held and peer not in held:
+                # The calls moved on to another stage: the previous one's have all been issued.
+                self.flush()
+        batch = None
         with box.cond:
-            # Never from a receiver thread: gloo's send waits for the peer to post its receive,
-            # and two receivers sending to each other (or a cycle of them) would wait forever.
-            now = (not box.items and not box.busy and nbytes <= _INLINE_BYTES
-                   and self._heard[peer] and not getattr(_receiving, "on", False))
-            if now:
-                box.busy = True
-            else:
-                box.items.append((msg, done))
+            box.items.append((msg, done))
+            box.nbytes += nbytes
+            if hold and not wait:
+                if box.hold_until is None:
+                    box.hold_until = time.monotonic() + self.hold_s
+                    box.cond.notify()  # the sender thread keeps the deadline
+                if peer not in held:
+                    held.append(peer)
+                return
+            box.hold_until = None
+            batch = self._take_inline(peer, box)
+            if batch is None:
                 box.cond.notify()
-        if now:
-            try:
-                self._send_batch(peer, [(msg, done)])
-            finally:
-                with box.cond:
-                    box.busy = False
-                    if box.items:
-                        box.cond.notify()
+        if batch is not None:
+            self._send_inline(peer, box, batch)
         if done is not None:
             while not done.wait(timeout=1.0):
                 self.check()
             self.check()
 
+    def flush(self) -> None:
+        """Send what this thread held (`send(hold=True)`) now, as one frame per peer."""
+        held = self._held_peers()
+        while held:
+            peer = held.pop()
+            box = self._outbox[peer]
+            with box.cond:
+                if box.hold_until is None:
+                    continue  # gone already, with another thread's message or at its deadline
+                box.hold_until = None
+                batch = self._take_inline(peer, box)
+                if batch is None:
+                    box.cond.notify()
+            if batch is not None:
+                self._send_inline(peer, box, batch)
+
+    def _held_peers(self) -> List[int]:
+        """Peers the calling thread holds messages for (see `send`'s `hold`)."""
+        held = getattr(self._holding, "peers", None)
+        if held is None:
+            held = self._holding.peers = []
+        return held
+
+    def _take_inline(self, peer: int, box: "_Outbox") -> Optional[List[tuple]]:
+        # (under box.cond) What is queued for `peer`, if the calling thread may send it itself.
+        # Never from a receiver thread: gloo's send waits for the peer to post its receive, and
+        # two receivers sending to each other (or a cycle of them) would wait forever.
+        if (box.busy or box.nbytes > _INLINE_BYTES or not self._heard[peer]
+                or getattr(_receiving, "on", False)):
+            return None
+        batch, box.items, box.nbytes = box.items, [], 0
+        box.busy = True
+        return batch
+
+    def _send_inline(self, peer: int, box: "_Outbox", batch: List[tuple]) -> None:
+        try:
+            self._send_batch(peer, batch)
+        finally:
+            with box.cond:
+                box.busy = False
+                if box.items:
+                    box.cond.notify()
+
     def _send_loop(self, peer: int) -> None:
         box = self._outbox[peer]
         while True:
             with box.cond:
-                while (not box.items or box.busy) and not self._shutdown:
-                    box.cond.wait()
+                while not self._shutdown:
+                    if not box.items or box.busy:
+                        box.cond.wait()
+                        continue
+                    if box.hold_until is None:
+                        break
+                    left = box.hold_until - time.monotonic()
+                    if left <= 0:
+                        break
+                    box.cond.wait(timeout=left)
                 if not box.items:
                     return
-                batch, box.items = box.items, []
+                batch, box.items, box.nbytes = box.items, [], 0
+                box.hold_until = None
                 box.busy = True
             try:
                 self._send_batch(peer, batch)
@@ -264,6 +335,7 @@ class Transport:
                                    module=msgs[0].module)
                 if self.timeline is not None and self.timeline.enabled
                 and msgs[0].kind != CLOSE else contextlib.nullcontext())
+        self.sent_frames[peer] += 1
         try:
             with self._send_locks[peer], span:
                 self._send_frame(dst, msgs)
@@ -399,12 +471,14 @@ _receiving = threading.local()  # .on: this thread is a receiver (its sends are 
 
 
 class _Outbox:
-    """Messages queued for one peer, taken by its sender thread."""
+    """Messages queued for one peer, taken by its sender thread (or a sending thread)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.items: List[tuple] = []
+        self.nbytes = 0  # tensor bytes in items
         self.busy = False  # a frame to this peer is being sent (by its sender thread or inline)
+        self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
 
 
 def _frame_buffer(buffers: Dict[int, tuple], rank: int) -> tuple:
