@@ -12,7 +12,7 @@ from smshim.modelparallel.torch import weight_grad as wg
 TOL = 1e-5
 
 
-def _pair(bias=True, size=(6, 5)):
+def _pair(bias=True, size=(6, 12)):
     torch.manual_seed(0)
     fused, plain = nn.Linear(*size, bias=bias), nn.Linear(*size, bias=bias)
     plain.load_state_dict(fused.state_dict())
@@ -24,7 +24,8 @@ def _pair(bias=True, size=(6, 5)):
 
 def _inputs(n=3):
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(2, 4, 6, generator=g, requires_grad=True) for _ in range(n)]
+    # 2 rows each: fewer than the weight may keep (a 12 x 6 weight: 4), so the path is taken
+    return [torch.randn(1, 2, 6, generator=g, requires_grad=True) for _ in range(n)]
 
 
 def _close(a, b):
@@ -54,6 +55,21 @@ def test_microbatches_sum_into_one_gradient_as_autograd_does():
         F.gelu(y).pow(2).sum().backward()
         assert fused.weight.grad is None  # pending until the flush
     _same_as_plain_autograd(fused, plain, acc, xs, [x.grad.clone() for x in xs])
+
+
+def test_a_microbatch_as_large_as_the_bound_takes_autograds_path():
+    # Its product would be computed at once: nothing to defer, and autograd's backward is C++.
+    fused, plain, acc = _pair()
+    g = torch.Generator().manual_seed(2)
+    small, large = (torch.randn(1, 2, 6, generator=g, requires_grad=True),
+                    torch.randn(2, 2, 6, generator=g, requires_grad=True))  # 2 and 4 rows
+    ys = [fused(x) for x in (small, large)]
+    assert type(ys[0].grad_fn).__name__ == "_LinearAccumulatingBackward"
+    assert "Accumulating" not in type(ys[1].grad_fn).__name__
+    for y in ys:
+        F.gelu(y).pow(2).sum().backward()
+    _same_as_plain_autograd(fused, plain, acc, [small, large],
+                            [small.grad.clone(), large.grad.clone()])
 
 
 def test_hugging_face_conv1d_takes_the_same_path():

@@ -12,7 +12,8 @@ in zero-bubble schedules), a group of microbatches in one product added into one
 weight, and the buffers become `.grad` when the rank's backward work for the step is over. The
 same sum over microbatches (grouped: the rounding differs as between microbatch sizes, and is the
 same every run), and the input gradient reaches the previous stage a weight gradient sooner. The
-rows kept for a weight never outgrow the weight itself (past that, they are computed at once).
+rows kept for a weight never outgrow the weight itself (past that, they are computed at once); a
+microbatch with that many rows on its own takes autograd's path, whose backward is C++.
 
 Used only where its flush is certain: a `nn.Linear` or `Conv1D` owned by this rank, run inside a
 pipeline step (the step's end flushes before any gradient reduction). Everything else takes the
@@ -103,8 +104,7 @@ class WeightGradAccumulator:
             self.add(param, lambda t: _product(a, b, t))
             return
         key, rows = id(param), a.shape[0]
-        # A row of dY and X holds sum(shape) numbers, the weight numel(): keep fewer rows.
-        bound = max(1, param.numel() // sum(param.shape))
+        bound = _bound(param)
         with self._lock:
             group = self._open.get(key)
             if group is None:
@@ -179,6 +179,12 @@ class WeightGradAccumulator:
 
     def __bool__(self) -> bool:
         return bool(self._pending) or bool(self._open) or bool(self._ready)
+
+
+def _bound(weight: torch.Tensor) -> int:
+    """Rows of `dY` and `X` kept for `weight` at most: a row of both holds sum(shape) numbers,
+    the weight numel(), so the kept rows never outgrow the weight."""
+    return max(1, weight.numel() // sum(weight.shape))
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, target: Optional[torch.Tensor]) -> torch.Tensor:
@@ -276,7 +282,11 @@ def fused_forward(module: nn.Module, acc: WeightGradAccumulator
         w, b = module.weight, module.bias
         if (not acc.active or not torch.is_grad_enabled() or not w.requires_grad
                 or torch.is_autocast_enabled() or not _plain(w) or not _plain(b)
-                or type(x) is not torch.Tensor or x.dtype != w.dtype or w.dtype not in _FULL):
+                or type(x) is not torch.Tensor or x.dtype != w.dtype or w.dtype not in _FULL
+                or x.numel() >= _bound(w) * x.shape[-1]):
+            # (The last: a microbatch with as many rows as the weight may keep has its product
+            # computed at once, where the pass over the weight saved is small against the
+            # product itself and this path's Python costs more: autograd's is in C++.)
             return cls_forward(module, x)
         return fn.apply(acc, x, w, b)
 
