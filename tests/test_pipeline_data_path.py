@@ -242,6 +242,19 @@ def _check_placed(make, batches, cfg, placement, timeout):
         assert (got[n] - p.detach()).abs().max().item() < TOL, n
 
 
+def _loss_step():
+    """The @smp.step for a model whose forward returns the loss (call after smp.init)."""
+    import smdistributed.modelparallel.torch as smp
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 # ---- a 4-stage chain: who sends what to whom -----------------------------------------------
 
 class LossStage(nn.Module):
@@ -278,12 +291,7 @@ def _chain(m, batch, steps):
         smp.set_partition(stage, i)
     smp.set_partition(module.last, 3)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = model(x, y)
-        model.backward(loss)
-        return loss
+    train_step = _loss_step()
 
     g = torch.Generator().manual_seed(5)
     before = None
@@ -349,12 +357,7 @@ def _loop_frames(m, steps):
     for block in module.blocks[2:]:
         smp.set_partition(block, 1)
     smp.set_partition(module.head, 1)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = model(x, y)
-        model.backward(loss)
-        return loss
+    train_step = _loss_step()
 
     g = torch.Generator().manual_seed(5)
     for i in range(steps):

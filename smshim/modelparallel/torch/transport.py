@@ -74,8 +74,8 @@ class Message:
 
 
 FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
-# A message with at most this many tensor bytes may be sent by the thread that sends it (see
-# `Transport.send`): a small send returns at once, a large one would hold its caller back.
+# What is queued for a peer, up to this many tensor bytes, may be sent by the thread that sends
+# (see `Transport.send`): a small send returns at once, a large one would hold its caller back.
 _INLINE_BYTES = 1 << 16
 _PREFIX = 16  # two int64 lengths
 # The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
@@ -242,10 +242,7 @@ class Transport:
                 if peer not in held:
                     held.append(peer)
                 return
-            box.hold_until = None
-            batch = self._take_inline(peer, box)
-            if batch is None:
-                box.cond.notify()
+            batch = self._release_locked(peer, box)
         if batch is not None:
             self._send_inline(peer, box, batch)
         if done is not None:
@@ -262,10 +259,7 @@ class Transport:
             with box.cond:
                 if box.hold_until is None:
                     continue  # gone already, with another thread's message or at its deadline
-                box.hold_until = None
-                batch = self._take_inline(peer, box)
-                if batch is None:
-                    box.cond.notify()
+                batch = self._release_locked(peer, box)
             if batch is not None:
                 self._send_inline(peer, box, batch)
 
@@ -275,6 +269,15 @@ class Transport:
         if held is None:
             held = self._holding.peers = []
         return held
+
+    def _release_locked(self, peer: int, box: "_Outbox") -> Optional[List[tuple]]:
+        # (under box.cond) What is queued for `peer` may leave now: the batch for the calling
+        # thread to send itself (`_send_inline`), or None when the sender thread is woken for it.
+        box.hold_until = None
+        batch = self._take_inline(peer, box)
+        if batch is None:
+            box.cond.notify()
+        return batch
 
     def _take_inline(self, peer: int, box: "_Outbox") -> Optional[List[tuple]]:
         # (under box.cond) What is queued for `peer`, if the calling thread may send it itself.
