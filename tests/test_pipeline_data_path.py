@@ -380,6 +380,44 @@ def test_a_stages_calls_of_one_microbatch_leave_together():
     assert frames[1] <= 4 * m + 2, (frames, messages)
 
 
+def _read_loss_after_backward(steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = Chain()  # the loss computed on the last stage: a handle on pp_rank 0
+    model = smp.DistributedModel(module)
+    for stage in module.stages[1:]:
+        smp.set_partition(stage, 1)
+    smp.set_partition(module.last, 1)
+    asked, read = [], []
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        model.backward(loss)
+        transport = model._pipeline.transport
+        before = transport.sent_messages[("fetch", 1)]
+        read.append(loss.item())
+        asked.append(transport.sent_messages[("fetch", 1)] - before)
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    losses = [train_step(model, torch.randn(8, D, generator=g),
+                         torch.randint(0, 3, (8,), generator=g)).reduce_mean().item()
+              for _ in range(steps)]
+    return asked, read, losses
+
+
+def test_the_loss_is_fetched_while_its_backward_runs():
+    # Its value is asked for with the backward request: reading it (or returning it from the
+    # step) afterwards sends no request of its own and waits for no round trip.
+    asked, read, losses = run_ranks(_read_loss_after_backward, 2, 2, timeout=180)[0]
+    assert asked == [0, 0], asked
+    assert read == losses
+
+
 # ---- a dead peer is reported, naming it -----------------------------------------------------
 
 DEAD_PEER_SCRIPT = r"""

@@ -1,7 +1,6 @@
-"""The pipeline transport on its own (transport.py), two gloo processes: messages arrive whole and
-in order whether they leave from the calling thread or the sender thread, and receivers that
-answer each other at the same moment never wait on each other (a gloo send waits for the peer's
-receive, so a receiver must not send itself)."""
+"""The pipeline transport on its own (transport.py), 2-3 gloo processes: messages arrive whole and
+in order, receivers that answer each other at the same moment never wait on each other, a send
+never waits for its peer to receive, and held messages leave together."""
 
 import threading
 
@@ -42,7 +41,7 @@ def _ping_pong(n):
     transport.open_session()
     transport.send(other, Message(VALUE, 0, 0, meta=("rally", me, 0), tensors=[torch.zeros(4)]))
     for i in range(n):
-        # Sizes on both sides of the inline limit, dtypes numpy has and has not, a 0-d tensor.
+        # Small and large tensors, dtypes numpy has and has not, a 0-d tensor.
         t = [torch.full((i % 5 + 1, 3), float(i)), torch.arange(i, dtype=torch.int64),
              torch.tensor(i, dtype=torch.bfloat16), torch.ones(20000 if i % 7 == 0 else 1)]
         pad = "x" * 300_000 if i % 20 == 3 else ""  # headers larger than a frame, now and then
@@ -128,9 +127,16 @@ def _held(hold_s):
             transport.flush()
             wait_for(acks, n + 3)
             frames.append(dict(transport.sent_frames))
+            # ... unless they are sent together: one frame per peer.
+            with transport.together():
+                transport.send(1, msg("together", 0), hold=True)
+                transport.send(2, msg("together", 1), hold=True)
+                transport.send(1, msg("together", 2), hold=True)
+            wait_for(acks, n + 5)
+            frames.append(dict(transport.sent_frames))
     else:
-        expect = {1: [("burst", 9), ("late", 2)] + [("switch", 2)] * (n == 3),
-                  2: [("switch", 1)]}[me]
+        expect = {1: [("burst", 9), ("late", 2)] + [("switch", 2), ("together", 2)] * (n == 3),
+                  2: [("switch", 1), ("together", 1)]}[me]
         transport.send(0, Message(VALUE, 0, 0, meta=("ack", "hello")))
         seen = 0
         for tag, count in expect:
@@ -156,5 +162,54 @@ def test_held_messages_leave_when_the_calls_move_on_to_another_peer():
     results = run_ranks(_held, 3, 0.3, timeout=120)
     frames = results[0][0]
     assert frames[2][1] - frames[1][1] == 2 and frames[2][2] == 1, frames
-    assert [m for m, _ in results[1][1]][-2:] == [("switch", 0), ("switch", 2)]
-    assert [m for m, _ in results[2][1]] == [("switch", 1)]
+    assert frames[3][1] - frames[2][1] == 1 and frames[3][2] == 2, frames
+    assert [m for m, _ in results[1][1]][-4:] == [("switch", 0), ("switch", 2),
+                                                  ("together", 0), ("together", 2)]
+    assert [m for m, _ in results[2][1]] == [("switch", 1), ("together", 1)]
+
+
+def _early(delay):
+    """Sends to a peer that is not receiving yet (it enters the step `delay` s later)."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from smshim import _runtime
+    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
+
+    torch.set_num_threads(1)
+    _runtime.init_distributed()
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=20))
+    got = []
+    done = threading.Event()
+
+    def dispatch(msg):
+        got.append((msg.meta, msg.tensors[0].sum().item()))
+        if len(got) == 4:
+            done.set()
+
+    transport = Transport([0, 1], me, group, dispatch, 30.0, torch.device("cpu"))
+    took = 0.0
+    if me == 0:
+        transport.open_session()
+        start = time.monotonic()
+        for i, n in enumerate([3, 1 << 20, 5, 1 << 17]):  # small, and larger than a frame
+            transport.send(1, Message(VALUE, 0, i, meta=i, tensors=[torch.ones(n)]))
+        took = time.monotonic() - start
+    else:
+        time.sleep(delay)
+        transport.open_session()
+        assert done.wait(30), got
+    transport.close_session(0)
+    transport.shutdown()
+    return took, got
+
+
+def test_a_send_never_waits_for_the_peer_to_receive():
+    delay = 3.0
+    (took, _), (_, got) = run_ranks(_early, 2, delay, timeout=120)
+    assert took < delay / 2, took  # posted, not waiting for the peer's receive
+    assert got == [(0, 3.0), (1, float(1 << 20)), (2, 5.0), (3, float(1 << 17))]

@@ -159,6 +159,7 @@ class Pipeline:
         mb = ctx.microbatch
         deadline = time.monotonic() + self.timeout_s
         self._mark_forward_done(mb)
+        self.server.prefetch(tensors)
         self.transport.flush()  # the forward's calls leave before this thread waits
         with self._cond:
             while not schedule.may_start_backward(self._forwards_done) or (

@@ -49,6 +49,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import os
 import pickle
 import queue
@@ -919,15 +920,23 @@ class ModuleServer:
         drops nothing that a request still running there will make."""
         template, tensors = flatten(out)
         handles = [t for t in tensors if isinstance(t, RemoteTensor)]
-        for t in handles:
-            self._ask(t._cell, hold=True)
-        for peer in self.transport.peers:
-            self.transport.send(peer, Message(MB_DONE, ctx.step, mb), hold=True)
-        self.transport.flush()
+        with self.transport.together():
+            for t in handles:
+                self._ask(t._cell, hold=True)
+            for peer in self.transport.peers:
+                self.transport.send(peer, Message(MB_DONE, ctx.step, mb), hold=True)
         if handles:
             out = fill(template, [self._real(t) for t in tensors])
         self.store.drop_microbatch(mb)
         return out
+
+    def prefetch(self, tensors: List[torch.Tensor]) -> None:
+        """pp_rank 0: ask now for the values of the small handles a microbatch runs backward
+        from (its loss): the step function usually returns them, and fetched only when the
+        microbatch ends they would cost the last one a round trip at the step's end."""
+        for t in tensors:
+            if isinstance(t, RemoteTensor) and math.prod(t.shape) <= _PREFETCH_NUMEL:
+                self._ask(t._cell, hold=True)
 
     def forward_done(self, mb: int) -> None:
         """pp_rank 0: microbatch `mb` will make no more forward calls. The peers it called learn
@@ -964,6 +973,9 @@ class ModuleServer:
             self._wgrad_thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+
+# Handles passed to backward with at most this many elements are fetched ahead (`prefetch`).
+_PREFETCH_NUMEL = 64
 
 # Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
 _IDLE_PRIORITY = (2, 0)

@@ -3,15 +3,16 @@
 Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
 thread and one receiver thread, on a process group used by nothing else: messages from one rank
 to another arrive in the order they were sent, and gloo's (peer, tag) matching can never pair a
-buffer with the wrong message. A small message to a peer that is receiving (it sent something in
-this step) over an idle link leaves at once from the calling thread; everything else is queued,
-so no compute or glue thread waits on a large transfer or a peer that is not receiving (a gloo
-send waits for the peer's receive), and the sender thread takes everything queued for its peer
-and sends it as one frame: a small header (two int64 lengths, then the pickled `Message`s
-without their tensors, which carry their shapes and dtypes) and the tensors' bytes, in a single
-send when it fits in FRAME_BYTES (see `_send_frame`). Tensors travel through CPU memory on a gloo
-group, whatever the compute device. A sender may hold a message back to leave with the next ones
-(`send(hold=True)`, then `flush`): pp_rank 0 sends a stage's calls of one microbatch as one frame.
+buffer with the wrong message. The thread that sends a message posts it itself, with whatever was
+queued for the peer before it, as one frame: a small header (two int64 lengths, then the pickled
+`Message`s without their tensors, which carry their shapes and dtypes) and the tensors' bytes, in
+a single gloo isend when it fits in FRAME_BYTES (see `_post_frame`). An isend never waits for the
+peer's receive, so no compute, glue or receiver thread waits on a transfer, a busy peer or one not
+yet in the step, and no thread hand-off lies between a result and its transfer. The sender
+thread only waits for posted frames to complete (their buffers live until then) and keeps the
+deadline of held messages: a sender may hold a message back to leave with the next ones
+(`send(hold=True)`, then `flush`): pp_rank 0 sends a stage's calls of one microbatch as one
+frame. Tensors travel through CPU memory on a gloo group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -32,7 +33,7 @@ import pickle
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -74,9 +75,8 @@ class Message:
 
 
 FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
-# What is queued for a peer, up to this many tensor bytes, may be sent by the thread that sends
-# (see `Transport.send`): a small send returns at once, a large one would hold its caller back.
-_INLINE_BYTES = 1 << 16
+# Posted frames the sender thread lets accumulate before it waits for them (see `_send_loop`).
+_MAX_POSTED = 8
 _PREFIX = 16  # two int64 lengths
 # The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
 # pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
@@ -106,23 +106,16 @@ class Transport:
         self._error: Optional[BaseException] = None
         self._error_lock = threading.Lock()
         self._error_listeners: List[Callable[[BaseException], None]] = []
-        self._send_locks: Dict[int, threading.Lock] = {}
         self._session_starts: Dict[int, threading.Semaphore] = {}
         self._closed_peers: "queue.Queue[int]" = queue.Queue()
         self._shutdown = False
         self._threads: List[threading.Thread] = []
-        # One receive buffer per peer and one send buffer per peer (one thread each uses it).
+        # One receive buffer per peer (its receiver thread uses it).
         self._frames: Dict[int, tuple] = {}
-        self._send_frames: Dict[int, tuple] = {}
         self.peers = [p for p in range(len(ranks)) if p != self.me]
-        # Peers that sent something in this step: they are inside the step, so their receivers
-        # are posted until we CLOSE, and a send to them returns at once (gloo's send waits for
-        # the peer's receive: to a peer not yet, or no longer, in the step it would block).
-        self._heard: Dict[int, bool] = {p: False for p in self.peers}
         self._outbox: Dict[int, _Outbox] = {}
         self._holding = threading.local()  # .peers: see _held_peers
         for peer in self.peers:
-            self._send_locks[peer] = threading.Lock()
             self._outbox[peer] = _Outbox()
             t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
                                  name=f"smp-send-{self.me}-{peer}")
@@ -163,8 +156,10 @@ class Transport:
     def _tell_peers(self, notice: Message) -> None:
         for peer in self.peers:
             try:
-                with self._send_locks[peer]:
-                    self._send_frame(self.ranks[peer], [notice])
+                with self._outbox[peer].posting:
+                    works, _ = self._post_frame(self.ranks[peer], [notice])
+                for work in works:
+                    work.wait()
             except Exception:  # noqa: BLE001  (best effort: the peer may be gone)
                 pass
 
@@ -177,16 +172,16 @@ class Transport:
         self.check()
         while not self._closed_peers.empty():
             self._closed_peers.get_nowait()
-        for peer in self.peers:
-            self._heard[peer] = False
         for sem in self._session_starts.values():
             sem.release()
 
     def close_session(self, step: int) -> None:
         """Tell every peer we are done with this step; wait until every peer has said the same
         and our own CLOSEs have left (a rank may exit right after its last step)."""
-        for peer in self.peers:
-            self.send(peer, Message(CLOSE, step=step), wait=True)
+        closes = [self._send(peer, Message(CLOSE, step=step), threading.Event())
+                  for peer in self.peers]
+        for done in closes:  # posted to every peer at once, then waited for
+            self._wait_sent(done)
         waiting = set(self.peers)
         while waiting:
             self.check()
@@ -203,65 +198,78 @@ class Transport:
 
     # ---- sending ----------------------------------------------------------------------------
     def send(self, peer: int, msg: Message, wait: bool = False, hold: bool = False) -> None:
-        """Send `msg` to `peer`, or queue it; with `wait`, return once it has left. Messages to
-        a peer arrive in the order they were sent. A small message finding the link to its peer
-        idle (nothing being sent) while the peer is known to be receiving (it sent something in
-        this step) leaves at once from the calling thread, with whatever was queued before it:
-        waking the sender thread costs more than the send (even on a thread holding the compute
-        lock: the peer's receiver is posted and never blocks, so the send returns within the
-        peer's dispatch of its previous message). Otherwise it is queued for the peer's sender
-        thread, which sends everything queued meanwhile as one frame, so a caller never waits
-        behind another message, a large transfer or a peer that is not receiving.
+        """Send `msg` to `peer`; with `wait`, return once it has left. Messages to a
+        peer arrive in the order they were sent. The calling thread posts the frame itself (a
+        gloo isend: it never waits for the peer, so neither a compute thread nor a receiver
+        thread can block on a peer that is busy, stuck or not yet in the step, and no thread
+        hand-off lies between a result and its transfer), with whatever was queued for the
+        peer before it.
 
         `hold`: the message may wait for the ones the calling thread sends next, to leave with
         them in one frame: each frame costs both ranks' CPU (gloo's event loop and a receive,
         ~1 ms in all on a busy 2-core machine), and pp_rank 0 issues a stage's calls one after
         another (one request per module). Held messages leave when this thread calls `flush`
         (before it computes or waits for anything), when a message that is not held is sent to
-        the same peer, or at the latest `hold_s` after the first of them (the sender thread's
-        deadline: a thread that forgets to flush delays, never loses, what it held)."""
-        self.check()
-        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
-        self.sent_messages[(msg.kind, peer)] += 1
-        self.sent_bytes[(msg.kind, peer)] += nbytes
-        done = threading.Event() if wait else None
+        the same peer, or at the latest `hold_s` after the first of them (the peer's sender
+        thread keeps the deadline: a thread that forgets to flush delays, never loses, what it
+        held)."""
+        if not (hold and not wait):
+            done = self._send(peer, msg, threading.Event() if wait else None)
+            if done is not None:
+                self._wait_sent(done)
+            return
+        self._count(peer, msg)
+        held = self._held_peers()
+        if held and peer not in held and not getattr(self._holding, "together", False):
+            # The calls moved on to another stage: the previous one's have all been issued.
+            self.flush()
         box = self._outbox[peer]
-        if hold and not wait:
-            held = self._held_peers()
-            if held and peer not in held:
-                # The calls moved on to another stage: the previous one's have all been issued.
-                self.flush()
-        batch = None
+        with box.cond:
+            box.items.append((msg, None))
+            if box.hold_until is None:
+                box.hold_until = time.monotonic() + self.hold_s
+                box.cond.notify()  # the sender thread keeps the deadline
+        if peer not in held:
+            held.append(peer)
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """What this thread holds inside leaves at the end, one frame per peer (the calls
+        moving on to another peer do not flush it)."""
+        self._holding.together = True
+        try:
+            yield
+        finally:
+            self._holding.together = False
+            self.flush()
+
+    def _count(self, peer: int, msg: Message) -> None:
+        self.check()
+        self.sent_messages[(msg.kind, peer)] += 1
+        self.sent_bytes[(msg.kind, peer)] += sum(t.numel() * t.element_size()
+                                                 for t in msg.tensors)
+
+    def _send(self, peer: int, msg: Message,
+              done: Optional[threading.Event]) -> Optional[threading.Event]:
+        """Post `msg` (with what is queued before it); `done` is set once it has left."""
+        self._count(peer, msg)
+        box = self._outbox[peer]
         with box.cond:
             box.items.append((msg, done))
-            box.nbytes += nbytes
-            if hold and not wait:
-                if box.hold_until is None:
-                    box.hold_until = time.monotonic() + self.hold_s
-                    box.cond.notify()  # the sender thread keeps the deadline
-                if peer not in held:
-                    held.append(peer)
-                return
-            batch = self._release_locked(peer, box)
-        if batch is not None:
-            self._send_inline(peer, box, batch)
-        if done is not None:
-            while not done.wait(timeout=1.0):
-                self.check()
+        self._post(peer, box)
+        return done
+
+    def _wait_sent(self, done: threading.Event) -> None:
+        while not done.wait(timeout=1.0):
             self.check()
+        self.check()
 
     def flush(self) -> None:
         """Send what this thread held (`send(hold=True)`) now, as one frame per peer."""
         held = self._held_peers()
         while held:
             peer = held.pop()
-            box = self._outbox[peer]
-            with box.cond:
-                if box.hold_until is None:
-                    continue  # gone already, with another thread's message or at its deadline
-                batch = self._release_locked(peer, box)
-            if batch is not None:
-                self._send_inline(peer, box, batch)
+            self._post(peer, self._outbox[peer])
 
     def _held_peers(self) -> List[int]:
         """Peers the calling thread holds messages for (see `send`'s `hold`)."""
@@ -270,92 +278,91 @@ class Transport:
             held = self._holding.peers = []
         return held
 
-    def _release_locked(self, peer: int, box: "_Outbox") -> Optional[List[tuple]]:
-        # (under box.cond) What is queued for `peer` may leave now: the batch for the calling
-        # thread to send itself (`_send_inline`), or None when the sender thread is woken for it.
-        box.hold_until = None
-        batch = self._take_inline(peer, box)
-        if batch is None:
-            box.cond.notify()
-        return batch
-
-    def _take_inline(self, peer: int, box: "_Outbox") -> Optional[List[tuple]]:
-        # (under box.cond) What is queued for `peer`, if the calling thread may send it itself.
-        # Never from a receiver thread: gloo's send waits for the peer to post its receive, and
-        # two receivers sending to each other (or a cycle of them) would wait forever.
-        if (box.busy or box.nbytes > _INLINE_BYTES or not self._heard[peer]
-                or getattr(_receiving, "on", False)):
-            return None
-        batch, box.items, box.nbytes = box.items, [], 0
-        box.busy = True
-        return batch
-
-    def _send_inline(self, peer: int, box: "_Outbox", batch: List[tuple]) -> None:
-        try:
-            self._send_batch(peer, batch)
-        finally:
+    def _post(self, peer: int, box: "_Outbox") -> None:
+        """Post everything queued for `peer` as one frame (nothing if another thread has taken
+        it already). Frames to a peer are posted one at a time, each with what was queued
+        before it, so they leave in the order their messages were queued."""
+        with box.posting:
             with box.cond:
-                box.busy = False
-                if box.items:
-                    box.cond.notify()
+                batch, box.items, box.hold_until = box.items, [], None
+            if not batch:
+                return
+            msgs = [m for m, _ in batch]
+            dones = [d for _, d in batch if d is not None]
+            dst = self.ranks[peer]
+            span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to "
+                                       f"{peer}", "transfer", peer=peer, messages=len(msgs),
+                                       bytes=sum(t.numel() * t.element_size()
+                                                 for m in msgs for t in m.tensors),
+                                       microbatch=msgs[0].microbatch, step=msgs[0].step,
+                                       module=msgs[0].module)
+                    if self.timeline is not None and self.timeline.enabled
+                    and msgs[0].kind != CLOSE else contextlib.nullcontext())
+            self.sent_frames[peer] += 1
+            what = msgs[0].describe()
+            try:
+                with span:
+                    works, keep = self._post_frame(dst, msgs)
+            except Exception as e:  # noqa: BLE001
+                self._send_failed(peer, what, e)
+                for d in dones:
+                    d.set()
+                return
+            with box.cond:
+                box.posted.append((works, keep, dones, what))
+                if dones or len(box.posted) > _MAX_POSTED:
+                    box.cond.notify()  # the sender thread waits for them (see _send_loop)
+
+    def _send_failed(self, peer: int, what: str, exc: BaseException) -> None:
+        self.fail(PipelineError(f"pp rank {self.me} could not send {what} to pp rank {peer} "
+                                f"(global rank {self.ranks[peer]}): {exc}"))
 
     def _send_loop(self, peer: int) -> None:
+        """The peer's sender thread: posts held messages at their deadline, and waits for posted
+        frames to complete (a frame's buffers live until then; `send(wait=True)` returns then)
+        once one is waited for or many are posted: a completed send costs no wait, and the
+        calling threads never wait at all."""
         box = self._outbox[peer]
         while True:
             with box.cond:
-                while not self._shutdown:
-                    if not box.items or box.busy:
+                while True:
+                    if self._shutdown:
+                        return
+                    if box.posted and (len(box.posted) > _MAX_POSTED
+                                       or any(entry[2] for entry in box.posted)):
+                        due = False
+                        break
+                    if box.hold_until is not None:
+                        left = box.hold_until - time.monotonic()
+                        if left <= 0:
+                            due = True
+                            break
+                        box.cond.wait(timeout=left)
+                    else:
                         box.cond.wait()
-                        continue
-                    if box.hold_until is None:
-                        break
-                    left = box.hold_until - time.monotonic()
-                    if left <= 0:
-                        break
-                    box.cond.wait(timeout=left)
-                if not box.items:
-                    return
-                batch, box.items, box.nbytes = box.items, [], 0
-                box.hold_until = None
-                box.busy = True
-            try:
-                self._send_batch(peer, batch)
-            finally:
+                posted = list(box.posted) if not due else []
+            if due:
+                self._post(peer, box)
+                continue
+            for works, _, dones, what in posted:
+                try:
+                    for work in works:
+                        work.wait()
+                except Exception as e:  # noqa: BLE001
+                    self._send_failed(peer, what, e)
                 with box.cond:
-                    box.busy = False
-            del batch  # hold no tensors while idle (nor when the thread ends at exit)
+                    box.posted.popleft()
+                for d in dones:
+                    d.set()
+            del posted  # hold no tensors while idle (nor when the thread ends at exit)
 
-    def _send_batch(self, peer: int, batch: List[tuple]) -> None:
-        """Send queued (message, done event) pairs to `peer` as one frame; a failure is recorded
-        on the transport (every waiter raises it), not raised here."""
-        msgs = [m for m, _ in batch]
-        dst = self.ranks[peer]
-        span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to {peer}",
-                                   "transfer", peer=peer, messages=len(msgs),
-                                   bytes=sum(t.numel() * t.element_size()
-                                             for m in msgs for t in m.tensors),
-                                   microbatch=msgs[0].microbatch, step=msgs[0].step,
-                                   module=msgs[0].module)
-                if self.timeline is not None and self.timeline.enabled
-                and msgs[0].kind != CLOSE else contextlib.nullcontext())
-        self.sent_frames[peer] += 1
-        try:
-            with self._send_locks[peer], span:
-                self._send_frame(dst, msgs)
-        except Exception as e:  # noqa: BLE001
-            self.fail(PipelineError(f"pp rank {self.me} could not send {msgs[0].describe()} "
-                                    f"to pp rank {peer} (global rank {dst}): {e}"))
-        for _, done in batch:
-            if done is not None:
-                done.set()
-
-    def _send_frame(self, dst: int, msgs: List[Message]) -> None:
-        # One frame: [header length][body length][pickled headers][tensor bytes]. The receiver
-        # posts a fixed-size buffer (gloo accepts a shorter message), so small messages cost a
-        # single send; what does not fit follows in one more send each: the headers (rare: a
-        # huge non-tensor payload), then the body. Assembled with numpy in a buffer kept per
-        # peer (used under the peer's send lock; a send has returned before the next): a
-        # handful of torch ops per message cost more than the transfer of a small one.
+    def _post_frame(self, dst: int, msgs: List[Message]) -> tuple:
+        """Post `msgs` to `dst` as one frame: [header length][body length][pickled headers]
+        [tensor bytes]. The receiver posts a fixed-size buffer (gloo accepts a shorter message),
+        so small messages cost a single isend; what does not fit follows in one more each: the
+        headers (rare: a huge non-tensor payload), then the body. Assembled with numpy (a
+        handful of torch ops per message cost more than the transfer of a small one). Returns
+        the isends' works and the buffers they read, which must live until they complete."""
         headers, body = [], []
         for msg in msgs:
             metas = []
@@ -368,28 +375,28 @@ class Transport:
                                    msg.meta, metas))
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.size for b in body)
-        frame, nf = _frame_buffer(self._send_frames, dst)
-        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
         end = _PREFIX + len(header)
+        inline = end <= FRAME_BYTES and end + body_len <= FRAME_BYTES
+        nf = np.empty(end + body_len if inline else _PREFIX if end > FRAME_BYTES else end,
+                      dtype=np.uint8)
+        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
+        bufs = [nf]
         if end > FRAME_BYTES:
-            dist.send(frame[:_PREFIX], dst, group=self.group)
-            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=self.group)
-            inline, end = False, 0
+            bufs.append(np.frombuffer(bytearray(header), dtype=np.uint8))
         else:
             nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
-            inline = end + body_len <= FRAME_BYTES
             if inline:
                 for arr in body:
                     nf[end:end + arr.size] = arr
                     end += arr.size
-            dist.send(frame[:end], dst, group=self.group)
         if not inline and body_len:
-            dist.send(torch.from_numpy(np.concatenate(body)), dst, group=self.group)
+            bufs.append(np.concatenate(body))
+        keep = [torch.from_numpy(b) for b in bufs]
+        return [dist.isend(t, dst, group=self.group) for t in keep], keep
 
     # ---- receiving --------------------------------------------------------------------------
     def _recv_loop(self, peer: int) -> None:
         src = self.ranks[peer]
-        _receiving.on = True
         while True:
             self._session_starts[peer].acquire()
             if self._shutdown:
@@ -408,7 +415,6 @@ class Transport:
         function of its own so that no received tensor stays referenced between sessions."""
         while True:
             frame = self._recv_frame(src)
-            self._heard[peer] = True
             if self.timeline is not None and self.timeline.enabled:
                 self.timeline.instant(
                     f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
@@ -428,7 +434,7 @@ class Transport:
         dist.recv(frame, src, group=self.group)
         header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
         start = _PREFIX + header_len
-        if start > FRAME_BYTES:  # the headers follow on their own (see _send_frame)
+        if start > FRAME_BYTES:  # the headers follow on their own (see _post_frame)
             header = np.empty(header_len, dtype=np.uint8)
             dist.recv(torch.from_numpy(header), src, group=self.group)
             msgs: List[Message] = pickle.loads(header)
@@ -470,18 +476,16 @@ class Transport:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-_receiving = threading.local()  # .on: this thread is a receiver (its sends are queued)
-
-
 class _Outbox:
-    """Messages queued for one peer, taken by its sender thread (or a sending thread)."""
+    """Messages queued for one peer, and the frames posted to it that may still be in flight."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.items: List[tuple] = []
-        self.nbytes = 0  # tensor bytes in items
-        self.busy = False  # a frame to this peer is being sent (by its sender thread or inline)
+        self.cond = threading.Condition()  # guards everything but `posting`
+        self.items: List[tuple] = []  # (message, done event or None), not yet posted
         self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
+        self.posting = threading.Lock()  # one frame at a time, in queue order (see _post)
+        # Posted frames not yet known complete: (works, buffers, done events, description).
+        self.posted: collections.deque = collections.deque()
 
 
 def _frame_buffer(buffers: Dict[int, tuple], rank: int) -> tuple:
