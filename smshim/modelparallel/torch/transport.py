@@ -320,8 +320,8 @@ class Transport:
     def _send_loop(self, peer: int) -> None:
         """The peer's sender thread: posts held messages at their deadline, and waits for posted
         frames to complete (a frame's buffers live until then; `send(wait=True)` returns then)
-        once one is waited for or many are posted: a completed send costs no wait, and the
-        calling threads never wait at all."""
+        once one is waited for or many are posted: waiting for a completed send costs nothing,
+        and the threads that send wait only when they ask to (`wait`)."""
         box = self._outbox[peer]
         while True:
             with box.cond:
