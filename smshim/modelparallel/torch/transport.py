@@ -213,11 +213,12 @@ class Transport:
         the same peer, or at the latest `hold_s` after the first of them (the peer's sender
         thread keeps the deadline: a thread that forgets to flush delays, never loses, what it
         held)."""
-        if not (hold and not wait):
+        if wait or not hold:
             done = self._send(peer, msg, threading.Event() if wait else None)
             if done is not None:
                 self._wait_sent(done)
             return
+        self.check()
         self._count(peer, msg)
         held = self._held_peers()
         if held and peer not in held and not getattr(self._holding, "together", False):
@@ -244,7 +245,6 @@ class Transport:
             self.flush()
 
     def _count(self, peer: int, msg: Message) -> None:
-        self.check()
         self.sent_messages[(msg.kind, peer)] += 1
         self.sent_bytes[(msg.kind, peer)] += sum(t.numel() * t.element_size()
                                                  for t in msg.tensors)
@@ -252,6 +252,7 @@ class Transport:
     def _send(self, peer: int, msg: Message,
               done: Optional[threading.Event]) -> Optional[threading.Event]:
         """Post `msg` (with what is queued before it); `done` is set once it has left."""
+        self.check()
         self._count(peer, msg)
         box = self._outbox[peer]
         with box.cond:
@@ -376,19 +377,19 @@ class Transport:
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.size for b in body)
         end = _PREFIX + len(header)
-        inline = end <= FRAME_BYTES and end + body_len <= FRAME_BYTES
-        nf = np.empty(end + body_len if inline else _PREFIX if end > FRAME_BYTES else end,
-                      dtype=np.uint8)
-        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
-        bufs = [nf]
-        if end > FRAME_BYTES:
-            bufs.append(np.frombuffer(bytearray(header), dtype=np.uint8))
+        inline = end + body_len <= FRAME_BYTES  # headers and body in one isend
+        if end > FRAME_BYTES:  # the headers follow on their own
+            nf = np.empty(_PREFIX, dtype=np.uint8)
+            bufs = [nf, np.frombuffer(bytearray(header), dtype=np.uint8)]
         else:
+            nf = np.empty(end + body_len if inline else end, dtype=np.uint8)
             nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
             if inline:
                 for arr in body:
                     nf[end:end + arr.size] = arr
                     end += arr.size
+            bufs = [nf]
+        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
         if not inline and body_len:
             bufs.append(np.concatenate(body))
         keep = [torch.from_numpy(b) for b in bufs]
