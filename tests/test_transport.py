@@ -1,12 +1,22 @@
 """The pipeline transport on its own (transport.py), 2-3 gloo processes: messages arrive whole and
 in order, receivers that answer each other at the same moment never wait on each other, a send
-never waits for its peer to receive, and held messages leave together."""
+never waits for its peer to receive, held messages leave together, and a receiver that is given
+work runs it while another thread goes on receiving."""
 
 import threading
 
 from smshim.testing import run_ranks
 
 N = 60  # (even)
+
+
+def _each(dispatch):
+    """The transport dispatches a frame's messages together; these tests take them one by one."""
+    def frame(msgs):
+        for msg in msgs:
+            dispatch(msg)
+
+    return frame
 
 
 def _ping_pong(n):
@@ -37,7 +47,7 @@ def _ping_pong(n):
         if len(got["ping"]) == n and len(got["rally"]) == n + 1:
             done.set()
 
-    transport = Transport([0, 1], me, group, dispatch, 30.0, torch.device("cpu"))
+    transport = Transport([0, 1], me, group, _each(dispatch), 30.0, torch.device("cpu"))
     transport.open_session()
     transport.send(other, Message(VALUE, 0, 0, meta=("rally", me, 0), tensors=[torch.zeros(4)]))
     for i in range(n):
@@ -98,7 +108,7 @@ def _held(hold_s):
     def msg(tag, i):
         return Message(VALUE, 0, i, meta=(tag, i), tensors=[torch.full((3,), float(i))])
 
-    transport = Transport(list(range(n)), me, group, dispatch, 30.0, torch.device("cpu"),
+    transport = Transport(list(range(n)), me, group, _each(dispatch), 30.0, torch.device("cpu"),
                           hold_s=hold_s)
     transport.open_session()
     frames = []
@@ -191,7 +201,7 @@ def _early(delay):
         if len(got) == 4:
             done.set()
 
-    transport = Transport([0, 1], me, group, dispatch, 30.0, torch.device("cpu"))
+    transport = Transport([0, 1], me, group, _each(dispatch), 30.0, torch.device("cpu"))
     took = 0.0
     if me == 0:
         transport.open_session()
@@ -213,3 +223,57 @@ def test_a_send_never_waits_for_the_peer_to_receive():
     (took, _), (_, got) = run_ranks(_early, 2, delay, timeout=120)
     assert took < delay / 2, took  # posted, not waiting for the peer's receive
     assert got == [(0, 3.0), (1, float(1 << 20)), (2, 5.0), (3, float(1 << 17))]
+
+
+def _hand_off(n):
+    """Rank 0 sends "go", then n values. Rank 1's dispatch of "go" returns work that waits for
+    all n values: it must run on the thread that received "go", while another thread receives
+    the values."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from smshim import _runtime
+    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
+
+    torch.set_num_threads(1)
+    _runtime.init_distributed()
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=20))
+    got, seen = [], {}
+    cond = threading.Condition()
+
+    def work():
+        seen["worker"] = threading.get_ident()
+        with cond:
+            seen["all"] = cond.wait_for(lambda: len(got) == n, timeout=30)
+
+    def dispatch(msgs):
+        todo = None
+        for msg in msgs:
+            if msg.meta == "go":
+                seen["receiver"] = threading.get_ident()
+                todo = work
+            else:
+                with cond:
+                    got.append(msg.meta)
+                    cond.notify_all()
+        return todo
+
+    transport = Transport([0, 1], me, group, dispatch, 30.0, torch.device("cpu"))
+    transport.open_session()
+    if me == 0:
+        transport.send(1, Message(VALUE, 0, 0, meta="go"), wait=True)
+        for i in range(n):
+            transport.send(1, Message(VALUE, 0, i, meta=i, tensors=[torch.ones(2)]), wait=True)
+    transport.close_session(0)
+    transport.shutdown()
+    return got, seen
+
+
+def test_a_receiver_runs_the_work_a_frame_made_and_another_thread_goes_on_receiving():
+    _, (got, seen) = run_ranks(_hand_off, 2, 5, timeout=120)
+    assert seen["all"], got  # the values came while the work waited for them
+    assert got == list(range(5))
+    assert seen["worker"] == seen["receiver"]

@@ -264,7 +264,23 @@ class ModuleServer:
         return fn
 
     # Messages (on a transport receiver thread: never waits; a send returns at once) -------
-    def dispatch(self, msg: Message) -> None:
+    def dispatch(self, msgs: List[Message]) -> Optional[Callable[[], None]]:
+        """A frame's messages. Returns the serving of a request they made ready, for this
+        thread to run once another has taken over receiving (Transport._recv_session); any other
+        request they made ready goes to the pool."""
+        _serving.ready = ready = []
+        try:
+            for msg in msgs:
+                self._dispatch(msg)
+        finally:
+            _serving.ready = None
+        if not ready:
+            return None
+        for other in ready[1:]:
+            self._pool.submit(self._serve_chain, other)
+        return lambda: self._serve_chain(ready[0])
+
+    def _dispatch(self, msg: Message) -> None:
         kind = msg.kind
         if kind == VALUE:
             self.store.put(msg.meta, msg.tensors[0], msg.microbatch)
@@ -572,9 +588,12 @@ class ModuleServer:
     def _ready(self, msg: Message) -> None:
         """A request's inputs are all here. Made ready by a request served on this thread (its
         output is the next module's input): run it on this thread next, as a stream runs its next
-        kernel; waking a pool thread costs milliseconds when the cores are busy. Else (a receiver
-        thread) on a pool thread."""
+        kernel; waking a pool thread costs milliseconds when the cores are busy. Made ready by a
+        frame a receiver thread dispatches: that thread runs it (see `dispatch`). Else on a pool
+        thread."""
         chain = getattr(_serving, "chain", None)
+        if chain is None:
+            chain = getattr(_serving, "ready", None)  # a receiver thread's frame (dispatch)
         if chain is not None:
             chain.append(msg)
         else:

@@ -1,18 +1,20 @@
 """Messages between the ranks of one pipeline (PP) group.
 
 Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
-thread and one receiver thread, on a process group used by nothing else: messages from one rank
-to another arrive in the order they were sent, and gloo's (peer, tag) matching can never pair a
-buffer with the wrong message. The thread that sends a message posts it itself, with whatever was
-queued for the peer before it, as one frame: a small header (two int64 lengths, then the pickled
-`Message`s without their tensors, which carry their shapes and dtypes) and the tensors' bytes, in
-a single gloo isend when it fits in FRAME_BYTES (see `_post_frame`). An isend never waits for the
-peer's receive, so no compute, glue or receiver thread waits on a transfer, a busy peer or one not
-yet in the step, and no thread hand-off lies between a result and its transfer. The sender
-thread only waits for posted frames to complete (their buffers live until then) and keeps the
-deadline of held messages: a sender may hold a message back to leave with the next ones
-(`send(hold=True)`, then `flush`): pp_rank 0 sends a stage's calls of one microbatch as one
-frame. Tensors travel through CPU memory on a gloo group, whatever the compute device.
+thread and one receiver (a role that threads take in turn, one at a time: a receiver that gets
+work from a frame runs it itself and hands the receiving on, see `_recv_session`), on a process
+group used by nothing else: messages from one rank to another arrive in the order they were
+sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong message. The
+thread that sends a message posts it itself, with whatever was queued for the peer before it, as
+one frame: a small header (two int64 lengths, then the pickled `Message`s without their tensors,
+which carry their shapes and dtypes) and the tensors' bytes, in a single gloo isend when it fits
+in FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute,
+glue or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no
+thread hand-off lies between a result and its transfer. The sender thread only waits for posted
+frames to complete (their buffers live until then) and keeps the deadline of held messages: a
+sender may hold a message back to leave with the next ones (`send(hold=True)`, then `flush`):
+pp_rank 0 sends a stage's calls of one microbatch as one frame. Tensors travel through CPU
+memory on a gloo group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -88,7 +90,8 @@ class Transport:
     """Point-to-point messages among `ranks` (global ranks of one PP group, in pp-rank order)."""
 
     def __init__(self, ranks: List[int], my_pp_rank: int, group: dist.ProcessGroup,
-                 dispatch: Callable[[Message], None], timeout_s: float,
+                 dispatch: Callable[[List[Message]], Optional[Callable[[], None]]],
+                 timeout_s: float,
                  device: torch.device, timeline=None, hold_s: float = HOLD_S) -> None:
         self.ranks = ranks
         self.hold_s = hold_s
@@ -122,10 +125,10 @@ class Transport:
             t.start()
             self._threads.append(t)
             self._session_starts[peer] = threading.Semaphore(0)
-            t = threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
-                                 name=f"smp-recv-{self.me}-{peer}")
-            t.start()
-            self._threads.append(t)
+        # Receiving from a peer is a role that threads take in turn (see `_recv_session`).
+        self._receivers = _Receivers(f"smp-recv-{self.me}")
+        for peer in self.peers:
+            self._receivers.run(self._receive, peer)
 
     # ---- errors -----------------------------------------------------------------------------
     @property
@@ -396,39 +399,61 @@ class Transport:
         return [dist.isend(t, dst, group=self.group) for t in keep], keep
 
     # ---- receiving --------------------------------------------------------------------------
-    def _recv_loop(self, peer: int) -> None:
+    def _receive(self, peer: int, in_session: bool = False) -> None:
+        """The role of receiving from `peer`, held by one thread at a time: sessions, one per
+        step, each until the peer's CLOSE. Returns once it has handed the role to another
+        thread (see `_recv_session`), or on an error or shutdown."""
         src = self.ranks[peer]
         while True:
-            self._session_starts[peer].acquire()
-            if self._shutdown:
-                return
-            try:
-                if not self._recv_session(peer, src):
+            if not in_session:
+                self._session_starts[peer].acquire()
+                if self._shutdown:
                     return
+            in_session = False
+            try:
+                work = self._recv_session(peer, src)
             except Exception as e:  # noqa: BLE001
                 if not self._shutdown:
                     self.fail(PipelineError(f"pp rank {self.me} lost pp rank {peer} (global rank "
                                             f"{src}) while receiving: {e}"), tell_peers=True)
                 return
+            if work is _ERROR:
+                return
+            if work is not None:
+                work()
+                return
 
-    def _recv_session(self, peer: int, src: int) -> bool:
-        """Receive and dispatch `peer`'s messages until its CLOSE (True) or ERROR (False). A
-        function of its own so that no received tensor stays referenced between sessions."""
+    def _recv_session(self, peer: int, src: int) -> Any:
+        """Receive and dispatch `peer`'s messages until its CLOSE (None), an ERROR (`_ERROR`),
+        or a frame whose dispatch returns work: a request it made ready. Then another thread
+        takes over receiving and this one returns the work to run: the request starts with no
+        thread hand-off between its frame's arrival and its compute (waking a thread costs a
+        large share of a hop between ranks), and this peer's next frame is received meanwhile.
+        A function of its own so that no received tensor stays referenced between sessions."""
         while True:
             frame = self._recv_frame(src)
             if self.timeline is not None and self.timeline.enabled:
                 self.timeline.instant(
                     f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
                     "transfer", peer=peer, microbatch=frame[0].microbatch, step=frame[0].step)
-            for msg in frame:
+            last = None
+            for i, msg in enumerate(frame):
                 msg.src = peer
-                if msg.kind == CLOSE:
-                    self._closed_peers.put(peer)
-                    return True  # CLOSE is the last message of a peer's step
-                if msg.kind == ERROR:
-                    self.fail(PipelineError(str(msg.meta)), tell_peers=True)
-                    return False
-                self._dispatch(msg)
+                if msg.kind in (CLOSE, ERROR):  # a peer's last message of its step, or ever
+                    frame, last = frame[:i], msg
+                    break
+            work = self._dispatch(frame) if frame else None
+            if last is not None and last.kind == ERROR:
+                self.fail(PipelineError(str(last.meta)), tell_peers=True)
+                return _ERROR
+            if last is not None:
+                self._closed_peers.put(peer)
+                if work is not None:
+                    work()
+                return None
+            if work is not None:
+                self._receivers.run(self._receive, peer, True)
+                return work
 
     def _recv_frame(self, src: int) -> List[Message]:
         frame, nf = _frame_buffer(self._frames, src)
@@ -469,12 +494,72 @@ class Transport:
         for box in self._outbox.values():
             with box.cond:
                 box.cond.notify_all()
+        self._receivers.stop()
         deadline = time.monotonic() + join_timeout_s
-        for t in self._threads:
+        for t in self._threads + list(self._receivers.threads):
             if t is not threading.current_thread():
                 # A receiver inside a gloo receive (a step abandoned midway) cannot be woken;
                 # it is left to the process group's destruction.
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+# `_recv_session`'s result when the peer said it failed.
+_ERROR = object()
+
+
+class _Receivers:
+    """Daemon threads that take the receiving roles in turn: a thread that hands its role on
+    (`Transport._recv_session`) serves a request, then waits here for the next role."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.threads: List[threading.Thread] = []
+        self._idle: List[list] = []  # [event, job] of threads waiting for a role
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on an idle thread (a new one if none is idle)."""
+        with self._lock:
+            if self._stopped:
+                return
+            slot = self._idle.pop() if self._idle else None
+            start = slot is None
+            if start:
+                slot = [threading.Event(), None]
+                thread = threading.Thread(target=self._loop, args=(slot,), daemon=True,
+                                          name=self.name)
+                self.threads.append(thread)
+        slot[1] = (fn, args)
+        slot[0].set()
+        if start:
+            thread.start()
+
+    def _loop(self, slot: list) -> None:
+        event = slot[0]
+        while True:
+            event.wait()
+            event.clear()
+            if self._stopped:
+                return
+            fn, args = slot[1]
+            slot[1] = None
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001  (the work reports its own errors)
+                logger.exception("%s: unexpected error", self.name)
+            del fn, args  # hold nothing while idle
+            with self._lock:
+                if self._stopped:
+                    return
+                self._idle.append(slot)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            idle, self._idle = self._idle, []
+        for event, _ in idle:
+            event.set()
 
 
 class _Outbox:

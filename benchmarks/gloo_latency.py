@@ -1,0 +1,81 @@
+"""Benchmark: raw gloo one-way latency on this machine, the floor under every pipeline hop.
+
+Rank 0 sends a 4 KiB tensor (`isend`, then waits) every `--gap-ms`, stamped with
+`time.monotonic()` (one clock for all processes on a host); rank 1 receives it (`recv`, in the
+main thread or in a second thread, as smshim's receivers do) and takes the difference. The other
+ranks of `--procs` sit in a barrier, as idle pipeline stages would. Prints the median and 90th
+percentile; the sleep-stage benchmark (`pipeline_schedules.py`) pays two such transfers per
+microbatch on 1F1B's critical path, plus whatever each side adds around them.
+
+    python benchmarks/gloo_latency.py [--procs 2 4] [--messages 300] [--gap-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from smshim.testing import run_ranks  # noqa: E402
+
+
+def _one_way(messages: int, gap_s: float, in_thread: bool):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from smshim import _runtime
+
+    torch.set_num_threads(1)
+    _runtime.init_distributed()
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo")
+    latencies = []
+    if rank == 0:
+        for _ in range(messages):
+            time.sleep(gap_s)
+            x = torch.empty(4096, dtype=torch.uint8)
+            x[:8] = torch.from_numpy(np.array([time.monotonic()]).view(np.uint8))
+            dist.isend(x, 1, group=group).wait()
+    elif rank == 1:
+        buf = torch.empty(4096, dtype=torch.uint8)
+
+        def receive():
+            for _ in range(messages):
+                dist.recv(buf, 0, group=group)
+                now = time.monotonic()
+                latencies.append(now - float(buf[:8].numpy().view(np.float64)[0]))
+
+        if in_thread:
+            t = threading.Thread(target=receive)
+            t.start()
+            t.join()
+        else:
+            receive()
+    dist.barrier()
+    return latencies[messages // 10:]  # without the first tenth (warm-up)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--messages", type=int, default=300)
+    ap.add_argument("--gap-ms", type=float, default=20.0)
+    a = ap.parse_args()
+    print(f"gloo one-way latency, 4 KiB every {a.gap_ms:.0f} ms, {a.messages} messages")
+    for procs in a.procs:
+        for in_thread in (False, True):
+            lat = run_ranks(_one_way, procs, a.messages, a.gap_ms / 1000, in_thread,
+                            timeout=60 + a.messages * a.gap_ms / 500)[1]
+            ms = sorted(x * 1e3 for x in lat)
+            where = "a second thread" if in_thread else "the main thread"
+            print(f"  {procs} processes, received in {where}: median {statistics.median(ms):.3f}"
+                  f" ms, p90 {ms[int(len(ms) * 0.9)]:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
