@@ -509,7 +509,9 @@ _ERROR = object()
 
 class _Receivers:
     """Daemon threads that take the receiving roles in turn: a thread that hands its role on
-    (`Transport._recv_session`) serves a request, then waits here for the next role."""
+    (`Transport._recv_session`) serves a request, then waits here for the next role. Not a
+    ThreadPoolExecutor: its threads are joined at interpreter exit, and a receiver left inside a
+    gloo receive (a step abandoned midway) would hang the exit (see `shutdown`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
