@@ -198,9 +198,9 @@ def test_stage_whose_input_gradient_nobody_needs_finishes_its_backward_in_the_st
 
 # ---- trained with a placement, compared with single-process SGD ----------------------------
 
-def _train_placed(make, batches, cfg, placement):
-    """Train `make()` under smp with `cfg` and modules placed by `placement` (name -> pp rank);
-    this rank's parameters after the steps."""
+def _placed(make, cfg, placement):
+    """`make()` (seeded) as an smp.DistributedModel under `cfg`, with its modules placed by
+    `placement` (name -> pp rank) and the rest on pp rank 0."""
     import smdistributed.modelparallel.torch as smp
 
     smp.init({**cfg, "auto_partition": False, "default_partition": 0})
@@ -209,6 +209,15 @@ def _train_placed(make, batches, cfg, placement):
     model = smp.DistributedModel(module)
     for name, pid in placement.items():
         smp.set_partition(module.get_submodule(name), pid)
+    return model
+
+
+def _train_placed(make, batches, cfg, placement):
+    """Train `make()` under smp with `cfg` and modules placed by `placement` (name -> pp rank);
+    this rank's parameters after the steps."""
+    import smdistributed.modelparallel.torch as smp
+
+    model = _placed(make, cfg, placement)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step
@@ -253,6 +262,35 @@ def _loss_step():
         return loss
 
     return train_step
+
+
+# ---- a weight of pp_rank 0's linear layer also used in its glue code ------------------------
+
+class TiedGlue(nn.Module):
+    """`proj`'s weight is also used in the root's own forward (as a tied weight is): autograd adds
+    that use's gradient into `.grad` in the body's thread while the layer's own weight gradients
+    are computed by another (weight_grad.py)."""
+
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.inp, self.proj = nn.Linear(8, d), nn.Linear(d, d)
+        self.mid, self.head = Block(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.proj(torch.tanh(self.inp(x)))
+        h = self.mid(h)
+        return self.head(F.linear(h, self.proj.weight))  # the glue's use of proj's weight
+
+
+def _tied_batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g))
+            for _ in range(3)]
+
+
+def test_a_linear_weight_also_used_in_the_glue_code_gets_both_gradients():
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 8, "pipeline": "interleaved"}
+    _check_placed(TiedGlue, _tied_batches, cfg, {"mid": 1, "head": 1}, timeout=120)
 
 
 # ---- a 4-stage chain: who sends what to whom -----------------------------------------------
@@ -479,12 +517,7 @@ def test_dead_peer_is_reported_naming_it(tmp_path):
 def _kept_past_step():
     import smdistributed.modelparallel.torch as smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False,
-              "default_partition": 0})
-    torch.manual_seed(0)
-    module = Chain()
-    model = smp.DistributedModel(module)
-    smp.set_partition(module.last, 1)
+    model = _placed(Chain, {"pipeline_parallel_degree": 2, "microbatches": 1}, {"last": 1})
     kept = []
 
     @smp.step
@@ -544,3 +577,55 @@ def test_nested_calls_match_single_process():
            "active_microbatches": 2}
     placement = {"outer": 1, "outer.inner": 2, "outer.back": 0, "head": 2}
     _check_placed(NestedNet, _glue_batches, cfg, placement, timeout=180)
+
+
+# ---- a step called under torch.no_grad() --------------------------------------------------
+
+class _GradModeSeen(nn.Linear):
+    """Records the grad mode each call runs under, on the rank that runs it."""
+
+    seen: list = []
+
+    def forward(self, x):
+        _GradModeSeen.seen.append(torch.is_grad_enabled())
+        return super().forward(x)
+
+
+class _GradModeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _GradModeSeen(8, D), _GradModeSeen(D, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _grad_mode_steps():
+    import smdistributed.modelparallel.torch as smp
+
+    model = _placed(_GradModeNet, {"pipeline_parallel_degree": 2, "microbatches": 2}, {"b": 1})
+
+    @smp.step
+    def forward_only(model, x):
+        return model(x)
+
+    x = _glue_batches()[0][0]
+    seen = {}
+    for mode in (False, True):
+        _GradModeSeen.seen.clear()
+        with torch.set_grad_enabled(mode):
+            out = forward_only(model, x).concat()
+        seen[mode] = list(_GradModeSeen.seen)
+    return {"seen": seen, "out": out}
+
+
+def test_a_step_called_under_no_grad_builds_no_graph_on_any_rank():
+    """The caller's grad mode holds in the step body (which pp_rank 0 runs in worker threads)
+    and in the modules it calls on other ranks, as it does with pp = 1."""
+    results = run_ranks(_grad_mode_steps, 2, timeout=120)
+    torch.manual_seed(0)
+    want = _GradModeNet()(_glue_batches()[0][0]).detach()
+    for rank, r in enumerate(results):
+        assert r["seen"][False] == [False, False], (rank, r["seen"])  # 2 microbatches
+        assert r["seen"][True] == [True, True], (rank, r["seen"])
+        assert (r["out"] - want).abs().max().item() < TOL

@@ -100,15 +100,25 @@ def test_hugging_face_conv1d_takes_the_same_path():
     assert type(fused(xs[0]).grad_fn).__name__ != "_Conv1DAccumulatingBackward"
 
 
-def test_existing_grad_is_added_to():
-    fused, plain, acc = _pair(bias=False)
-    fused.weight.grad = torch.ones_like(fused.weight)
-    plain.weight.grad = torch.ones_like(plain.weight)
+@pytest.mark.parametrize("deferred", [True, False])
+def test_existing_grad_is_added_to_at_the_flush_only(deferred):
+    """An existing `.grad` is added to when the step's work is flushed, not before: autograd may
+    add into it meanwhile, in another thread (a tied weight used in pp_rank 0's glue code), and
+    two in-place additions into one tensor at once would lose one."""
+    fused, plain, acc = _pair()
+    acc.deferred = deferred
+    for p in (fused.weight, fused.bias, plain.weight, plain.bias):
+        p.grad = torch.ones_like(p)
     for x in _inputs():
         fused(x).sum().backward()
         plain(x).sum().backward()
+    while acc.compute_one():
+        pass
+    assert torch.equal(fused.weight.grad, torch.ones_like(fused.weight))
+    assert torch.equal(fused.bias.grad, torch.ones_like(fused.bias))
     acc.flush()
     _close(fused.weight.grad, plain.weight.grad)
+    _close(fused.bias.grad, plain.bias.grad)
 
 
 def test_activation_checkpointing_recomputes_the_same_path():

@@ -1,6 +1,6 @@
 """One pipeline step over microbatches, for a partitioned model with pp > 1.
 
-pp_rank 0 drives: it runs the step body once per microbatch, each in its own worker thread,
+pp_rank 0 drives: it runs the step body once per microbatch, each in a worker thread,
 admitting microbatches by the schedule's limit for rank 0 and asking it when a finished forward
 may run its backward. The body's calls into other ranks' modules are sent without waiting
 (server.py), so a worker runs its microbatch's forward code ahead of the stages that compute it.
@@ -33,6 +33,7 @@ from .server import ModuleServer, ctx
 from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import STEP_END, Message, PipelineError, Transport
+from .workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class Pipeline:
         self._cond = threading.Condition()
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
+        # pp_rank 0: the threads that run the step body, one microbatch each at a time.
+        self._bodies = Workers(f"smp-body-{pp_rank}")
 
     def _wake(self) -> None:
         with self._cond:
@@ -102,13 +105,18 @@ class Pipeline:
         counts = {"started": 0, "finished": 0}
         step = self.step
 
+        # A body runs in a worker thread, with the caller's grad mode (a step called under
+        # torch.no_grad() builds no graph, here or on the ranks it calls).
+        grad_enabled = torch.is_grad_enabled()
+
         def body(mb: int) -> None:
             ctx.step, ctx.microbatch, ctx.in_step, ctx.forward_done = step, mb, True, False
             ctx.driver = True
             state.microbatch = mb
             try:
                 args, kwargs = mb_inputs[mb]
-                out = fn(*args, **kwargs)
+                with torch.set_grad_enabled(grad_enabled):
+                    out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
                 results[mb] = self.server.finish_microbatch(mb, out)  # values, on every rank
             except BaseException as e:  # noqa: BLE001
@@ -116,7 +124,7 @@ class Pipeline:
                 self.transport.fail(PipelineError(
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
-                ctx.in_step = False
+                ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
                 self.server.turn_done(FORWARD, mb)
                 self.server.turn_done(BACKWARD, mb)
                 with self._cond:
@@ -124,27 +132,31 @@ class Pipeline:
                     self._backward_finished.add(mb)
                     self._cond.notify_all()
 
-        threads = []
+        def job(mb: int) -> None:
+            try:
+                body(mb)
+            finally:
+                returned[mb].set()
+
+        returned = [threading.Event() for _ in range(m)]
         with self._cond:
             while counts["finished"] < m and not errors and self.transport.error is None:
                 # A microbatch stops counting against rank 0's limit when its backward here is
                 # done (its activations are gone), not when its body has fetched its results.
                 while schedule.may_start_forward(counts["started"], len(self._backward_finished)):
-                    t = threading.Thread(target=body, args=(counts["started"],), daemon=True,
-                                         name=f"smp-mb{counts['started']}")
+                    self._bodies.run(job, counts["started"])
                     counts["started"] += 1
-                    t.start()
-                    threads.append(t)
                 self._cond.wait(timeout=1.0)
+        started = returned[:counts["started"]]
         if errors or self.transport.error is not None:
-            for t in threads:
-                t.join(timeout=2.0)
+            for done in started:
+                done.wait(timeout=2.0)
             if errors:
                 mb, exc = min(errors, key=lambda e: e[0])
                 raise exc
             self.transport.check()
-        for t in threads:
-            t.join()
+        for done in started:
+            done.wait()
         template, tensors = flatten(results)
         for peer in range(len(self.transport.ranks)):
             if peer != self.pp_rank:
@@ -245,5 +257,6 @@ class Pipeline:
         tp_comm.set_compute_lock(None)
         self.server.remove_proxies()
         self.transport.shutdown()
+        self._bodies.stop()
         self.server.close()
         self._reduce_pool.shutdown(wait=False)

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .workers import Workers
+
 logger = logging.getLogger(__name__)
 
 # Message kinds. Requests (server.py): run a module's forward / backward; a forward's output
@@ -126,7 +128,7 @@ class Transport:
             self._threads.append(t)
             self._session_starts[peer] = threading.Semaphore(0)
         # Receiving from a peer is a role that threads take in turn (see `_recv_session`).
-        self._receivers = _Receivers(f"smp-recv-{self.me}")
+        self._receivers = Workers(f"smp-recv-{self.me}")
         for peer in self.peers:
             self._receivers.run(self._receive, peer)
 
@@ -505,63 +507,6 @@ class Transport:
 
 # `_recv_session`'s result when the peer said it failed.
 _ERROR = object()
-
-
-class _Receivers:
-    """Daemon threads that take the receiving roles in turn: a thread that hands its role on
-    (`Transport._recv_session`) serves a request, then waits here for the next role. Not a
-    ThreadPoolExecutor: its threads are joined at interpreter exit, and a receiver left inside a
-    gloo receive (a step abandoned midway) would hang the exit (see `shutdown`)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.threads: List[threading.Thread] = []
-        self._idle: List[list] = []  # [event, job] of threads waiting for a role
-        self._lock = threading.Lock()
-        self._stopped = False
-
-    def run(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run `fn(*args)` on an idle thread (a new one if none is idle)."""
-        with self._lock:
-            if self._stopped:
-                return
-            slot = self._idle.pop() if self._idle else None
-            start = slot is None
-            if start:
-                slot = [threading.Event(), None]
-                thread = threading.Thread(target=self._loop, args=(slot,), daemon=True,
-                                          name=self.name)
-                self.threads.append(thread)
-        slot[1] = (fn, args)
-        slot[0].set()
-        if start:
-            thread.start()
-
-    def _loop(self, slot: list) -> None:
-        event = slot[0]
-        while True:
-            event.wait()
-            event.clear()
-            if self._stopped:
-                return
-            fn, args = slot[1]
-            slot[1] = None
-            try:
-                fn(*args)
-            except BaseException:  # noqa: BLE001  (the work reports its own errors)
-                logger.exception("%s: unexpected error", self.name)
-            del fn, args  # hold nothing while idle
-            with self._lock:
-                if self._stopped:
-                    return
-                self._idle.append(slot)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            idle, self._idle = self._idle, []
-        for event, _ in idle:
-            event.set()
 
 
 class _Outbox:

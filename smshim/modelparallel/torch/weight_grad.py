@@ -87,10 +87,10 @@ class WeightGradAccumulator:
 
     def _add_locked(self, param: torch.Tensor,
                     fn: Callable[[Optional[torch.Tensor]], Optional[torch.Tensor]]) -> None:
-        grad = param.grad
-        if grad is not None:  # an existing .grad (no zero_grad, or set_to_none=False)
-            fn(grad)
-            return
+        # Into a buffer of our own even where `.grad` exists (no zero_grad, or
+        # set_to_none=False), never into `.grad` before `flush`: autograd may be adding into it
+        # meanwhile, in another thread and without our lock (pp_rank 0's glue code using the
+        # same weight, e.g. a tied one), and two in-place additions would lose one.
         entry = self._pending.get(id(param))
         if entry is None:
             self._pending[id(param)] = (param, fn(None))
@@ -160,7 +160,7 @@ class WeightGradAccumulator:
 
     def flush(self) -> None:
         """Compute what is kept and hand the pending buffers over as `.grad` (added to one that
-        appeared meanwhile)."""
+        was there before the step or that autograd made meanwhile)."""
         # Under the lock: `add` may run meanwhile on another thread (pp_rank 0's glue code runs
         # outside the compute lock) and must not add into a .grad being set or added to here.
         with self._lock, torch.no_grad():
