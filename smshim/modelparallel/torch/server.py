@@ -90,7 +90,7 @@ class _Context(threading.local):
 
 
 ctx = _Context()
-_serving = threading.local()  # .chain: requests made ready by the one this thread serves
+_serving = threading.local()  # .chain: requests made ready on this thread (see _ready)
 
 
 # ---- caller side ---------------------------------------------------------------------------
@@ -268,17 +268,14 @@ class ModuleServer:
         """A frame's messages. Returns the serving of a request they made ready, for this
         thread to run once another has taken over receiving (Transport._recv_session); any other
         request they made ready goes to the pool."""
-        _serving.ready = ready = []
+        _serving.chain = ready = []
         try:
             for msg in msgs:
                 self._dispatch(msg)
         finally:
-            _serving.ready = None
-        if not ready:
-            return None
-        for other in ready[1:]:
-            self._pool.submit(self._serve_chain, other)
-        return lambda: self._serve_chain(ready[0])
+            _serving.chain = None
+        first = self._run_first_here(ready)
+        return None if first is None else lambda: self._serve_chain(first)
 
     def _dispatch(self, msg: Message) -> None:
         kind = msg.kind
@@ -592,8 +589,6 @@ class ModuleServer:
         frame a receiver thread dispatches: that thread runs it (see `dispatch`). Else on a pool
         thread."""
         chain = getattr(_serving, "chain", None)
-        if chain is None:
-            chain = getattr(_serving, "ready", None)  # a receiver thread's frame (dispatch)
         if chain is not None:
             chain.append(msg)
         else:
@@ -602,16 +597,22 @@ class ModuleServer:
     def _serve_chain(self, msg: Message) -> None:
         _serving.chain = chain = []
         try:
-            while True:
+            while msg is not None:
                 self._serve(msg)
-                if not chain:
-                    return
-                msg = chain.pop(0)
-                for other in chain:  # more than one became ready: the others in parallel
-                    self._pool.submit(self._serve_chain, other)
-                chain.clear()
+                msg = self._run_first_here(chain)
         finally:
             _serving.chain = None
+
+    def _run_first_here(self, ready: List[Message]) -> Optional[Message]:
+        """Of the requests made ready on this thread (emptied), the first, for this thread to
+        run; the others run in parallel on pool threads."""
+        if not ready:
+            return None
+        first, others = ready[0], ready[1:]
+        ready.clear()
+        for other in others:
+            self._pool.submit(self._serve_chain, other)
+        return first
 
     def _serve(self, msg: Message) -> None:
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True

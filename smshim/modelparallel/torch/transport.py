@@ -251,8 +251,7 @@ class Transport:
 
     def _count(self, peer: int, msg: Message) -> None:
         self.sent_messages[(msg.kind, peer)] += 1
-        self.sent_bytes[(msg.kind, peer)] += sum(t.numel() * t.element_size()
-                                                 for t in msg.tensors)
+        self.sent_bytes[(msg.kind, peer)] += _nbytes(msg)
 
     def _send(self, peer: int, msg: Message,
               done: Optional[threading.Event]) -> Optional[threading.Event]:
@@ -298,8 +297,7 @@ class Transport:
             dst = self.ranks[peer]
             span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to "
                                        f"{peer}", "transfer", peer=peer, messages=len(msgs),
-                                       bytes=sum(t.numel() * t.element_size()
-                                                 for m in msgs for t in m.tensors),
+                                       bytes=sum(_nbytes(m) for m in msgs),
                                        microbatch=msgs[0].microbatch, step=msgs[0].step,
                                        module=msgs[0].module)
                     if self.timeline is not None and self.timeline.enabled
@@ -503,6 +501,11 @@ class Transport:
                 # A receiver inside a gloo receive (a step abandoned midway) cannot be woken;
                 # it is left to the process group's destruction.
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _nbytes(msg: Message) -> int:
+    """The bytes of `msg`'s tensors."""
+    return sum(t.numel() * t.element_size() for t in msg.tensors)
 
 
 # `_recv_session`'s result when the peer said it failed.
