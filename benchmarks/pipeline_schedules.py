@@ -6,7 +6,12 @@ exact. A perfect pipeline takes (m + p - 1)(tf + tb) per step. We run the same s
 smshim (`simple` and `interleaved`) and through torch.distributed.pipelining (ScheduleGPipe,
 Schedule1F1B), in the same processes, and report medians over several steps.
 
+`--loss glue` computes the loss in the root module's forward instead (as users write
+`criterion(model(x), y)` and Hugging Face models compute theirs): on pp_rank 0, from the last
+stage's output; torch's runs keep `loss_fn` on the last stage.
+
     python benchmarks/pipeline_schedules.py [--tf-ms 20] [--steps 5] [--p 4] [--m 8 16]
+                                            [--loss stage|glue]
 """
 
 from __future__ import annotations
@@ -62,17 +67,19 @@ class LossStage(SleepStage):
 
 
 class SleepPipe(nn.Module):
-    def __init__(self, p: int, tf: float) -> None:
+    def __init__(self, p: int, tf: float, glue_loss: bool = False) -> None:
         super().__init__()
-        self.stages = nn.ModuleList([SleepStage(tf) for _ in range(p - 1)] + [LossStage(tf)])
+        last = SleepStage(tf) if glue_loss else LossStage(tf)
+        self.stages = nn.ModuleList([SleepStage(tf) for _ in range(p - 1)] + [last])
+        self.glue_loss = glue_loss
 
     def forward(self, x):
         for s in self.stages:
             x = s(x)
-        return x
+        return x.sum() if self.glue_loss else x
 
 
-def _smshim(p, m, tf, steps, schedule):
+def _smshim(p, m, tf, steps, schedule, glue_loss=False):
     import smdistributed.modelparallel.torch as smp
 
     # interleaved keeps the default active_microbatches, min(p + 2, m).
@@ -81,7 +88,7 @@ def _smshim(p, m, tf, steps, schedule):
     if schedule == "simple":
         cfg["active_microbatches"] = m
     smp.init(cfg)
-    module = SleepPipe(p, tf)
+    module = SleepPipe(p, tf, glue_loss)
     model = smp.DistributedModel(module)
     for i, stage in enumerate(module.stages):
         smp.set_partition(stage, i)
@@ -135,27 +142,33 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--tf-ms", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "pipeline_schedules.json"))
+    ap.add_argument("--loss", choices=["stage", "glue"], default="stage",
+                    help="where the loss is computed: on the last stage, or in the root's forward")
+    ap.add_argument("--out", default=None, help="default: results/pipeline_schedules[_glue].json")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = os.path.join(os.path.dirname(__file__), "results", "pipeline_schedules"
+                             + ("_glue" if a.loss == "glue" else "") + ".json")
     tf = a.tf_ms / 1000
     rows = []
     for m in a.m:
         theory = (m + a.p - 1) * 3 * tf
         for schedule in ("simple", "interleaved"):
-            ours = run_ranks(_smshim, a.p, a.p, m, tf, a.steps, schedule, timeout=600)
+            ours = run_ranks(_smshim, a.p, a.p, m, tf, a.steps, schedule, a.loss == "glue",
+                             timeout=600)
             theirs = run_ranks(_torch_pipelining, a.p, a.p, m, tf, a.steps, schedule, timeout=600)
             ours_t = statistics.median(max(r["times"][i] for r in ours) for i in range(a.steps))
             theirs_t = statistics.median(max(r["times"][i] for r in theirs) for i in range(a.steps))
             rows.append({
-                "p": a.p, "m": m, "schedule": schedule, "theory_s": theory, "smshim_s": ours_t,
+                "p": a.p, "m": m, "schedule": schedule, "loss": a.loss, "theory_s": theory,
+                "smshim_s": ours_t,
                 "torch_s": theirs_t, "smshim_vs_theory": ours_t / theory,
                 "smshim_vs_torch": ours_t / theirs_t,
                 "torch_name": "ScheduleGPipe" if schedule == "simple" else "Schedule1F1B",
                 "peak_live_microbatches": [r["peak_live"] for r in ours],
             })
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
-          f"median of {a.steps} steps")
+          f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
           f"{'torch':>8} {'vs torch':>10} {'peak live mb per stage':>24}")
     for r in rows:

@@ -136,6 +136,29 @@ def test_trace_shows_the_schedule(tmp_path, schedule):
         assert e.get("ph") != "X" or e["dur"] >= 0
 
 
+def test_simple_runs_every_forward_before_any_backward_on_every_stage(tmp_path):
+    """pp_rank 0 starts the backward once all forward code is over, when the last stage still
+    has forwards to come (they are p - 1 stages behind) and the first backward is ready there:
+    it must wait for them. Every rank then runs backward in microbatch order."""
+    from benchmarks.pipeline_schedules import _smshim as sleep_stages
+
+    p, m = 3, 4  # stages sleeping 20 ms forward, 40 ms backward; the loss in the root's forward
+    results = run_ranks(sleep_stages, p, p, m, 0.02, 2, "simple", True, timeout=120,
+                        env={"SMSHIM_TRACE": str(tmp_path)})
+    for rank in range(p):
+        with open(tmp_path / f"trace_rank{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        for step in range(3):
+            spans = sorted((e for e in events if e.get("ph") == "X"
+                            and e["cat"] in ("forward", "backward") and e["args"]["step"] == step),
+                           key=lambda e: e["ts"])
+            order = [(e["cat"], e["args"]["microbatch"]) for e in spans]
+            assert order == [(c, mb) for c in ("forward", "backward") for mb in range(m)], \
+                (rank, step, order)
+    # Every rank holds every microbatch's activations at the turn from forward to backward.
+    assert [r["peak_live"] for r in results] == [m] * p
+
+
 def _pp1(m):
     import smdistributed.modelparallel.torch as smp
 

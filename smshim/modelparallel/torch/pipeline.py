@@ -125,6 +125,7 @@ class Pipeline:
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
                 ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
+                self.server.backward_begun(mb)  # (if it never called model.backward)
                 self.server.turn_done(FORWARD, mb)
                 self.server.turn_done(BACKWARD, mb)
                 with self._cond:
@@ -183,9 +184,12 @@ class Pipeline:
                         f"only {self._forwards_done} of {schedule.microbatches} forwards "
                         "finished (does every microbatch call model.backward?)")
                 self._cond.wait(timeout=1.0)
+        if schedule.backwards_begin_in_order and mb > 0:
+            self.server.wait_backward_begun(mb - 1)
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
+        self.server.backward_begun(mb)  # (if it called no module)
         self.transport.flush()
         self.server.turn_done(BACKWARD, mb)
         with self._cond:

@@ -1,10 +1,11 @@
 """Pipeline schedules and the per-rank compute lock that enforces them.
 
-A schedule is a small policy object answering three questions: how many microbatches may a rank
+A schedule is a small policy object answering five questions: how many microbatches may a rank
 hold activations for at once (`limit(rank)`: pp_rank 0 admits microbatches by it, every other
 rank holds back the first forward of a new microbatch by it), may a microbatch whose forward is
-done start its backward, and in which order does a rank run the work that is ready. Adding a
-schedule is adding a policy class to `SCHEDULES`.
+done start its backward, do the backwards begin in microbatch order, in which order does a rank
+run the work that is ready, and does a rank keep that order even when it must idle for it
+(`strict_order`). Adding a schedule is adding a policy class to `SCHEDULES`.
 
 The order of module calls is not known in advance (pp_rank 0 runs arbitrary forward code and
 discovers the calls as it goes), so the schedule cannot be a precomputed list of actions per rank
@@ -32,6 +33,15 @@ class Schedule:
     """A policy; subclasses decide admission and priority."""
 
     name = "base"
+    # A rank computes in priority order even when it must idle for it: a forward request pp_rank
+    # 0 sent keeps its place in the compute lock's queue from its arrival (work of a larger
+    # priority waits for it while its inputs are on the way), and requests made ready together
+    # keep theirs until their threads get there. Otherwise (greedy) the lock goes to the
+    # first-priority work among what is waiting for it when it comes free.
+    strict_order = False
+    # pp_rank 0 begins microbatch i's backward only once microbatch i - 1's has made its first
+    # call: the requests then reach every stage in microbatch order.
+    backwards_begin_in_order = False
 
     def __init__(self, microbatches: int, active_microbatches: int, stages: int = 1) -> None:
         self.microbatches = microbatches
@@ -56,9 +66,17 @@ class Schedule:
 
 
 class SimpleSchedule(Schedule):
-    """GPipe: every microbatch's forward before any backward."""
+    """GPipe: on every rank, every microbatch's forward before any backward, and the backwards
+    in microbatch order. pp_rank 0 starts the backward once all forward code is over; the other
+    ranks may then still have forwards to run whose inputs have not come, and a backward that
+    is ready must not go first (it would delay the forwards behind it by a whole backward). All
+    microbatches' backwards become ready on pp_rank 0 at once; begun in any order, they reach
+    the last stage in any order, and a later microbatch's backward run first there delays the
+    first one's, which every earlier stage waits for, by a whole backward."""
 
     name = "simple"
+    strict_order = True
+    backwards_begin_in_order = True
 
     def limit(self, rank: int) -> int:
         return self.microbatches
@@ -116,6 +134,7 @@ class ComputeLock:
         self._cond = threading.Condition()
         self._held_by: Optional[int] = None
         self._waiters: list = []
+        self._places: list = []  # (priority, seq, None, key): see keep_place
         self._seq = itertools.count()
         self._local = threading.local()
         self._reserved: Optional[tuple] = None
@@ -130,12 +149,48 @@ class ComputeLock:
                 mine = [e for e in self._waiters if e[3] == self._reserved]
                 return (min(mine) if mine else None), left
             self._reserved = None
-        return (self._waiters[0] if self._waiters else None), None
+        first = self._waiters[0] if self._waiters else None
+        if first is not None and self._places and self._places[0][0] < first[0]:
+            return None, None  # a kept place comes first
+        return first, None
 
-    def acquire(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> None:
+    def keep_place(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> tuple:
+        """Keep a place in the queue at `priority` for work that has come but cannot start yet
+        (its inputs are on the way): no waiter of a larger priority takes the lock before that
+        work has. Waiters of an equal priority do not wait for it (work of the same microbatch
+        may be what produces its inputs). The work takes its place with `acquire(place=...)`;
+        `give_up` drops it (the work failed, or will not run)."""
+        with self._cond:
+            place = (priority, next(self._seq), None, key)
+            heapq.heappush(self._places, place)
+            return place
+
+    def give_up(self, place: tuple) -> None:
+        with self._cond:
+            if self._drop_place(place):
+                self._cond.notify_all()
+
+    def clear_places(self) -> None:
+        """Drop every kept place (a failed step: the work they were kept for will not come)."""
+        with self._cond:
+            self._places.clear()
+            self._cond.notify_all()
+
+    def _drop_place(self, place: tuple) -> bool:
+        try:
+            self._places.remove(place)
+        except ValueError:
+            return False  # taken already, or cleared
+        heapq.heapify(self._places)
+        return True
+
+    def acquire(self, priority: Tuple[int, int], key: Optional[tuple] = None,
+                place: Optional[tuple] = None) -> None:
         me = threading.get_ident()
         with self._cond:
-            entry = (priority, next(self._seq), me, key)
+            # Work that kept a place waits from there (first among its equals that came later).
+            seq = place[1] if place is not None and self._drop_place(place) else next(self._seq)
+            entry = (priority, seq, me, key)
             heapq.heappush(self._waiters, entry)
             while True:
                 nxt, left = self._next()
@@ -162,14 +217,17 @@ class ComputeLock:
 
     @contextlib.contextmanager
     def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None,
-             more: Optional[Callable[[], bool]] = None) -> Iterator[None]:
+             more: Optional[Callable[[], bool]] = None,
+             place: Optional[tuple] = None) -> Iterator[None]:
         """Hold the lock for a piece of compute (re-entrant: a holder keeps it); on release,
         reserve it briefly for more work under the same `key` (microbatch, direction) if
-        `more()` says more is coming."""
+        `more()` says more is coming. `place`: the one `keep_place` kept for this work."""
         if self.held():
+            if place is not None:
+                self.give_up(place)
             yield
             return
-        self.acquire(priority, key)
+        self.acquire(priority, key, place)
         try:
             yield
         finally:

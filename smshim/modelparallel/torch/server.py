@@ -197,6 +197,7 @@ class ModuleServer:
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
         self._fwd_turns: set = set()  # pp_rank 0: microbatches whose forward (backward) is over
         self._bwd_turns: set = set()
+        self._bwd_begun: set = set()  # pp_rank 0: microbatches whose backward made its first call
         # pp_rank 0: its own modules a microbatch ran, by (direction, microbatch), and how many
         # a microbatch runs in all (learned from microbatches whose code for it was over).
         self._own_runs: collections.Counter = collections.Counter()
@@ -286,6 +287,11 @@ class ModuleServer:
                 self._requests[msg.microbatch] += 1
                 if kind == FWD_REQ:
                     self._forwards[msg.microbatch] += 1
+                    if msg.src == 0 and self.schedule is not None \
+                            and self.schedule.strict_order:
+                        # (simple) It goes before any backward here, inputs come or not.
+                        msg.place = self.lock.keep_place(self._request_priority(msg),
+                                                         self._request_key(msg))
                 else:
                     if msg.src == 0:
                         # pp_rank 0 asks for a backward only once the microbatch's forward code
@@ -332,6 +338,7 @@ class ModuleServer:
         for box in boxes:
             box.put(Message("error", meta=str(exc)))
         self.store.fail(exc)
+        self.lock.clear_places()
         with self._cond:
             self._cond.notify_all()
         self.step_end.put(Message("error", meta=str(exc)))
@@ -460,6 +467,7 @@ class ModuleServer:
     def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
         n = len(call.requires)
         if call.owner == self.me:
+            self._note_backward_begun(call.microbatch)
             self.transport.flush()
             values = [None if g is None else self._real(g) for g in grads]
             self._wait_turn(self._bwd_turns, call.microbatch, call.what("backward"))
@@ -475,6 +483,7 @@ class ModuleServer:
         self.transport.send(call.owner, Message(
             BWD_REQ, call.step, call.microbatch, call.call_id, call.module, meta=(enc, push),
             tensors=inline), hold=not sync)
+        self._note_backward_begun(call.microbatch)  # (once its request is queued: see there)
         in_grads: List[Optional[torch.Tensor]] = []
         for i in range(n):
             if not call.requires[i]:
@@ -605,14 +614,30 @@ class ModuleServer:
 
     def _run_first_here(self, ready: List[Message]) -> Optional[Message]:
         """Of the requests made ready on this thread (emptied), the first, for this thread to
-        run; the others run in parallel on pool threads."""
+        run; the others run in parallel on pool threads. Under a strict order, the first in the
+        schedule's order, and they all keep their places in the compute lock's queue at once:
+        whichever thread gets there first, they compute in that order (a frame from pp_rank 0
+        may carry several microbatches' backward requests)."""
         if not ready:
             return None
+        if len(ready) > 1 and self.schedule is not None and self.schedule.strict_order:
+            ready.sort(key=self._request_priority)
+            if not self.deterministic:  # (there, tickets set the order: see _serve_backward)
+                for msg in ready:
+                    if getattr(msg, "place", None) is None:
+                        msg.place = self.lock.keep_place(self._request_priority(msg),
+                                                         self._request_key(msg))
         first, others = ready[0], ready[1:]
         ready.clear()
         for other in others:
             self._pool.submit(self._serve_chain, other)
         return first
+
+    def _request_key(self, msg: Message) -> tuple:
+        return (FORWARD if msg.kind == FWD_REQ else BACKWARD, msg.microbatch)
+
+    def _request_priority(self, msg: Message):
+        return self._priority(*self._request_key(msg))
 
     def _serve(self, msg: Message) -> None:
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
@@ -635,6 +660,8 @@ class ModuleServer:
             logger.exception("%s", err)
             self.transport.fail(err)
         finally:
+            if getattr(msg, "place", None) is not None:
+                self.lock.give_up(msg.place)  # (if it failed before taking it)
             with self._cond:
                 self._requests[msg.microbatch] -= 1
                 if msg.kind == FWD_REQ:
@@ -676,7 +703,8 @@ class ModuleServer:
                     self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
 
         self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
-                              template, tensors, requires, grad_enabled, deliver)
+                              template, tensors, requires, grad_enabled, deliver,
+                              place=getattr(msg, "place", None))
         self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
     def _serve_backward(self, msg: Message) -> None:
@@ -704,7 +732,7 @@ class ModuleServer:
 
         try:
             self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
-                                   grads, deliver)
+                                   grads, deliver, place=getattr(msg, "place", None))
         finally:
             if self.deterministic:
                 with self._cond:
@@ -718,15 +746,17 @@ class ModuleServer:
 
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
-                         grad_enabled: bool, deliver: Optional[Callable[..., None]] = None):
+                         grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
+                         place: Optional[tuple] = None):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
-        results on their way to another rank leave before the next module here starts."""
+        results on their way to another rank leave before the next module here starts. `place`:
+        the one the request kept in the compute lock's queue (see Schedule.strict_order)."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                            lambda: self._more_regions(FORWARD, mb)):
+                            lambda: self._more_regions(FORWARD, mb), place):
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                     caller=caller), \
                     torch.set_grad_enabled(grad_enabled):
@@ -742,8 +772,10 @@ class ModuleServer:
                     self._forward_microbatches.add(mb)
                     self._saved[(caller, call_id)] = (inputs, outs, mb)
                     self._graphs[mb] += 1
-                    # Microbatches whose activations this rank holds (for the memory benchmark).
-                    live = len({saved[2] for saved in self._saved.values()})
+                    # Microbatches whose activations this rank holds (for the memory benchmark):
+                    # a graph counts until its backward is over, not only until one starts
+                    # waiting for the compute lock.
+                    live = sum(1 for n in self._graphs.values() if n > 0)
                     self.peak_live_microbatches = max(self.peak_live_microbatches, live)
             if deliver is not None:
                 deliver(out_template, outs, out_rg)
@@ -751,8 +783,8 @@ class ModuleServer:
 
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                           grads: List[Optional[torch.Tensor]],
-                          deliver: Optional[Callable[[list], None]] = None
-                          ) -> List[Optional[torch.Tensor]]:
+                          deliver: Optional[Callable[[list], None]] = None,
+                          place: Optional[tuple] = None) -> List[Optional[torch.Tensor]]:
         """Backward through the graph kept for (caller, call_id); returns the inputs' gradients
         (zeros for an input that needs one but which the outputs' gradients did not reach),
         after `deliver(in_grads)`, which runs before the compute lock is given up."""
@@ -765,7 +797,7 @@ class ModuleServer:
             inputs, outs, _ = saved
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
-                                 lambda: self._more_regions(BACKWARD, mb))
+                                 lambda: self._more_regions(BACKWARD, mb), place)
                   if pairs else contextlib.nullcontext()):
                 if pairs:
                     with self.timeline.span(name or "<root>", "backward", microbatch=mb,
@@ -819,6 +851,31 @@ class ModuleServer:
                     raise PipelineError(f"pp rank 0 waited {self.timeout_s:.0f} s to run the {what}:"
                                         f" earlier microbatches {sorted(set(range(mb)) - done)} "
                                         "did not finish theirs")
+                self._cond.wait(timeout=1.0)
+
+    def _note_backward_begun(self, mb: int) -> None:
+        if ctx.driver and mb not in self._bwd_begun:
+            self.backward_begun(mb)
+
+    def backward_begun(self, mb: int) -> None:
+        """pp_rank 0: microbatch `mb`'s backward has made its first call (queued its first
+        request: messages to a peer leave in the order they were queued), or will make none."""
+        with self._cond:
+            self._bwd_begun.add(mb)
+            self._cond.notify_all()
+
+    def wait_backward_begun(self, mb: int) -> None:
+        """pp_rank 0, schedules whose backwards begin in microbatch order: wait for microbatch
+        `mb`'s backward to have begun."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while mb not in self._bwd_begun:
+                self.transport.check()
+                if time.monotonic() > deadline:
+                    raise PipelineError(
+                        f"pp rank 0 waited {self.timeout_s:.0f} s for the backward of microbatch "
+                        f"{mb} to begin (the {self.schedule.name} schedule begins microbatch "
+                        f"{mb + 1}'s after it)")
                 self._cond.wait(timeout=1.0)
 
     def turn_done(self, direction: str, mb: int) -> None:
@@ -892,9 +949,10 @@ class ModuleServer:
         self.weight_grads.active = True
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
+        self.lock.clear_places()  # (none are left but after a failed step)
         with self._cond:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
-                      self._fwd_turns, self._bwd_turns):
+                      self._fwd_turns, self._bwd_turns, self._bwd_begun):
                 s.clear()
             for c in (self._requests, self._forwards, self._graphs, self._regions_done,
                       self._own_runs):

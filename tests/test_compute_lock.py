@@ -1,0 +1,88 @@
+"""The compute lock's order: smaller priority first, then arrival; a place kept for work that has
+come (Schedule.forwards_keep_place) holds back larger priorities until that work has run."""
+
+import threading
+import time
+
+from smshim.modelparallel.torch.scheduler import ComputeLock
+
+
+def _run(lock, priority, log, name, place=None):
+    with lock.hold(priority, place=place):
+        log.append(name)
+
+
+def _start(lock, priority, log, name, waiters=1):
+    """A thread that takes the lock at `priority`; returns once it waits in the queue."""
+    t = threading.Thread(target=_run, args=(lock, priority, log, name), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(lock._waiters) < waiters and not log and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+def test_a_kept_place_holds_back_larger_priorities_until_its_work_has_run():
+    lock, log = ComputeLock(), []
+    place = lock.keep_place((0, 5))
+    backward = _start(lock, (1, 0), log, "backward")
+    time.sleep(0.05)
+    assert log == []  # the lock is free, but the forward that kept its place goes first
+    _run(lock, (0, 5), log, "forward", place)
+    backward.join(5)
+    assert log == ["forward", "backward"]
+
+
+def test_a_kept_place_does_not_hold_back_smaller_or_equal_priorities():
+    lock, log = ComputeLock(), []
+    lock.keep_place((0, 5))
+    for name, priority in (("earlier microbatch", (0, 3)), ("same microbatch", (0, 5))):
+        t = _start(lock, priority, log, name)
+        t.join(5)
+        assert log[-1] == name
+
+
+def test_work_that_kept_a_place_goes_before_equals_that_came_after_it():
+    lock, log = ComputeLock(), []
+    lock.acquire((0, 0))  # busy
+    place = lock.keep_place((0, 5))
+    later = _start(lock, (0, 5), log, "came later")
+    kept = threading.Thread(target=_run, args=(lock, (0, 5), log, "kept a place", place))
+    kept.start()
+    while len(lock._waiters) < 2:
+        time.sleep(0.001)
+    lock.release()
+    kept.join(5)
+    later.join(5)
+    assert log == ["kept a place", "came later"]
+
+
+def test_giving_up_or_clearing_places_lets_the_others_run():
+    lock, log = ComputeLock(), []
+    place = lock.keep_place((0, 5))
+    t = _start(lock, (1, 0), log, "after give_up")
+    time.sleep(0.02)
+    assert log == []
+    lock.give_up(place)
+    t.join(5)
+    assert log == ["after give_up"]
+
+    lock.keep_place((0, 6))
+    lock.keep_place((0, 7))
+    t = _start(lock, (1, 1), log, "after clear")
+    time.sleep(0.02)
+    assert log == ["after give_up"]
+    lock.clear_places()
+    t.join(5)
+    assert log == ["after give_up", "after clear"]
+
+
+def test_a_holder_taking_the_lock_again_gives_its_place_up():
+    lock, log = ComputeLock(), []
+    with lock.hold((0, 0)):
+        place = lock.keep_place((0, 5))
+        with lock.hold((0, 5), place=place):  # re-entrant: the place is not needed
+            pass
+    t = _start(lock, (1, 0), log, "backward")
+    t.join(5)
+    assert log == ["backward"]
