@@ -184,8 +184,8 @@ class Pipeline:
                         f"only {self._forwards_done} of {schedule.microbatches} forwards "
                         "finished (does every microbatch call model.backward?)")
                 self._cond.wait(timeout=1.0)
-        if schedule.backwards_begin_in_order and mb > 0:
-            self.server.wait_backward_begun(mb - 1)
+        if schedule.backwards_begin_in_order:
+            self.server.wait_backward_begun(mb)
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)

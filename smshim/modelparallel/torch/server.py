@@ -835,12 +835,13 @@ class ModuleServer:
         return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
 
     # pp_rank 0's own modules run microbatch after microbatch ----------------------------
-    def _wait_turn(self, done: set, mb: int, what: str) -> None:
+    def _wait_turn(self, done: set, mb: int, what: str, their: str = "finish") -> None:
         """On pp_rank 0, a module of microbatch `mb` (called by the step body's glue code) waits
         until every earlier microbatch has finished that direction here: stage 0 then runs one
         microbatch's forward (backward) through all its modules before the next one's, as a
         pipeline stage should, instead of interleaving them module by module and so delaying
-        every later stage."""
+        every later stage. (Any wait of a body for the earlier microbatches to be in `done`:
+        `their` says what they did not do, for the error.)"""
         if not ctx.driver:
             return
         deadline = time.monotonic() + self.timeout_s
@@ -850,7 +851,7 @@ class ModuleServer:
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pp rank 0 waited {self.timeout_s:.0f} s to run the {what}:"
                                         f" earlier microbatches {sorted(set(range(mb)) - done)} "
-                                        "did not finish theirs")
+                                        f"did not {their} theirs")
                 self._cond.wait(timeout=1.0)
 
     def _note_backward_begun(self, mb: int) -> None:
@@ -865,18 +866,11 @@ class ModuleServer:
             self._cond.notify_all()
 
     def wait_backward_begun(self, mb: int) -> None:
-        """pp_rank 0, schedules whose backwards begin in microbatch order: wait for microbatch
-        `mb`'s backward to have begun."""
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            while mb not in self._bwd_begun:
-                self.transport.check()
-                if time.monotonic() > deadline:
-                    raise PipelineError(
-                        f"pp rank 0 waited {self.timeout_s:.0f} s for the backward of microbatch "
-                        f"{mb} to begin (the {self.schedule.name} schedule begins microbatch "
-                        f"{mb + 1}'s after it)")
-                self._cond.wait(timeout=1.0)
+        """pp_rank 0, schedules whose backwards begin in microbatch order: microbatch `mb`'s
+        backward waits until every earlier one's has begun."""
+        self._wait_turn(self._bwd_begun, mb, f"backward of microbatch {mb} (step {ctx.step}; the "
+                        f"{self.schedule.name} schedule begins backwards in microbatch order)",
+                        their="begin")
 
     def turn_done(self, direction: str, mb: int) -> None:
         """pp_rank 0: microbatch `mb`'s forward (backward) code is over here."""
