@@ -39,8 +39,8 @@ class Schedule:
     # keep theirs until their threads get there. Otherwise (greedy) the lock goes to the
     # first-priority work among what is waiting for it when it comes free.
     strict_order = False
-    # pp_rank 0 begins microbatch i's backward only once microbatch i - 1's has made its first
-    # call: the requests then reach every stage in microbatch order.
+    # pp_rank 0 begins microbatch i's backward only once every earlier microbatch's has made its
+    # first call (or ended without one): the requests then reach every stage in microbatch order.
     backwards_begin_in_order = False
 
     def __init__(self, microbatches: int, active_microbatches: int, stages: int = 1) -> None:
