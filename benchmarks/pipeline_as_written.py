@@ -20,6 +20,12 @@ losses equal the single-process ones at every step. smshim's transport counters 
 and bytes each rank sent to each other rank per step.
 
     python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto]
+                                             [--d 512] [--batch 128] [--pin]
+
+`--d 16 --batch 64 --m 8 32` makes the blocks tiny: the step is then almost all the engines'
+own work around each module call (what many microbatches of a small model cost), and the
+table's thread switches of rank 0 show how much of it is threads waking up. `--pin` puts rank r
+on core r mod (cores), which makes such CPU-bound runs far less noisy on a shared machine.
 """
 
 from __future__ import annotations
@@ -72,10 +78,10 @@ class Head(nn.Module):
 class MLP(nn.Module):
     """As written: blocks in a ModuleList, looped over; the head computes the loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, d: int = D) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(D) for _ in range(BLOCKS)])
-        self.head = Head(D, CLASSES)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(BLOCKS)])
+        self.head = Head(d, CLASSES)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -99,18 +105,18 @@ class Stage(nn.Module):
         return self.fc(x) if self.fc is not None else x
 
 
-def make_model() -> MLP:
+def make_model(d: int = D) -> MLP:
     torch.manual_seed(0)
-    return MLP()
+    return MLP(d)
 
 
-def make_batches(n: int) -> List[tuple]:
+def make_batches(n: int, d: int = D, batch: int = BATCH) -> List[tuple]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, D, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+    return [(torch.randn(batch, d, generator=g), torch.randint(0, CLASSES, (batch,), generator=g))
             for _ in range(n)]
 
 
-def _smshim_setup(p: int, m: int, schedule: str, partition: str):
+def _smshim_setup(p: int, m: int, schedule: str, partition: str, d: int = D):
     import smdistributed.modelparallel.torch as smp
 
     cfg: Dict[str, Any] = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
@@ -118,7 +124,7 @@ def _smshim_setup(p: int, m: int, schedule: str, partition: str):
     if schedule == "simple":
         cfg["active_microbatches"] = m  # else smp switches simple to interleaved
     smp.init(cfg)
-    module = make_model()
+    module = make_model(d)
     model = smp.DistributedModel(module)
     if partition == "manual":
         for i, block in enumerate(module.blocks):
@@ -141,10 +147,10 @@ def _smshim_setup(p: int, m: int, schedule: str, partition: str):
     return smp, model, step
 
 
-def _torch_setup(p: int, m: int, schedule: str, rank: int):
+def _torch_setup(p: int, m: int, schedule: str, rank: int, d: int = D):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage_mod = Stage(make_model(), rank, p)
+    stage_mod = Stage(make_model(d), rank, p)
     stage = PipelineStage(stage_mod, rank, p, torch.device("cpu"))
     cls = ScheduleGPipe if schedule == "simple" else Schedule1F1B
     sched = cls(stage, n_microbatches=m, loss_fn=F.cross_entropy)
@@ -167,27 +173,37 @@ def _torch_setup(p: int, m: int, schedule: str, rank: int):
     return step
 
 
-def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int):
+def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int,
+             d: int = D, batch: int = BATCH, pin: bool = False):
+    import resource
+
     import torch.distributed as dist
 
-    smp, model, ours = _smshim_setup(p, m, schedule, partition)  # brings up the default group
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
+    smp, model, ours = _smshim_setup(p, m, schedule, partition, d)  # brings up the default group
     rank = dist.get_rank()
-    systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank),
-               "single": single_process_step(make_model(), LR) if rank == 0 else None}
+    systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank, d),
+               "single": single_process_step(make_model(d), LR) if rank == 0 else None}
     times: Dict[str, List[float]] = {k: [] for k in systems}
     cpu: Dict[str, List[float]] = {k: [] for k in systems}
+    switches: Dict[str, List[int]] = {k: [] for k in systems}  # this process's thread switches
     losses: Dict[str, List[float]] = {k: [] for k in systems}
     sent_before: Counter = Counter()
     frames_before: Counter = Counter()
-    for i, (x, targets) in enumerate(make_batches(warmup + steps)):
+    for i, (x, targets) in enumerate(make_batches(warmup + steps, d, batch)):
         order = list(systems)[i % 3:] + list(systems)[:i % 3]
         for name in order:
             dist.barrier()
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             c0, t0 = time.process_time(), time.perf_counter()
             fn = systems[name]
             loss = fn(x, targets) if fn is not None else math.nan
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            switches[name].append(u1.ru_nvcsw + u1.ru_nivcsw - u0.ru_nvcsw - u0.ru_nivcsw)
             losses[name].append(loss)
         if i == warmup - 1:
             sent_before = Counter(model._pipeline.transport.sent_messages)
@@ -204,6 +220,7 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     smp.reset()
     return {"rank": rank, "times": {k: v[warmup:] for k, v in times.items()},
             "cpu": {k: v[warmup:] for k, v in cpu.items()}, "losses": losses,
+            "switches": {k: v[warmup:] for k, v in switches.items()},
             "sent_per_step": per_step, "owned": owned, "peak_live": peak}
 
 
@@ -238,6 +255,9 @@ def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
             "cpu_s": {k: statistics.median(v) for k, v in step_cpu.items()},
             "cpu_smshim_vs_torch": statistics.median(
                 a / b for a, b in zip(step_cpu["smshim"], step_cpu["torch"])),
+            # Thread switches per step of pp_rank 0 (which runs the step bodies).
+            "rank0_switches": {k: statistics.median(results[0]["switches"][k])
+                               for k in ("smshim", "torch", "single")},
             "owned_by_rank": [r["owned"] for r in results],
             "peak_live_by_rank": [r["peak_live"] for r in results],
             "sent_per_step_by_rank": [r["sent_per_step"] for r in results],
@@ -279,11 +299,18 @@ def main() -> None:
                     choices=["manual", "auto"])
     ap.add_argument("--schedules", nargs="+", default=["simple", "interleaved"],
                     choices=["simple", "interleaved"])
-    ap.add_argument("--out", default=os.path.join(RESULTS, "pipeline_as_written.json"))
+    ap.add_argument("--d", type=int, default=D, help="block width")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch")
+    ap.add_argument("--pin", action="store_true", help="rank r on core r mod cores")
+    ap.add_argument("--out", default=None,
+                    help="default: results/pipeline_as_written.json (_d<d>.json for another --d)")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help="only trace one step (pp=2, m=8, interleaved, manual) into DIR and draw "
                          "results/timeline_as_written.png")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = os.path.join(RESULTS, "pipeline_as_written"
+                             + ("" if a.d == D else f"_d{a.d}") + ".json")
     if a.trace:
         print("wrote", draw_trace(a.trace, 2, 8, "interleaved", "manual",
                                   os.path.join(RESULTS, "timeline_as_written.png")))
@@ -298,25 +325,29 @@ def main() -> None:
                     continue  # one auto-partitioned layout (pp = 2) is enough to show it
                 for schedule in a.schedules:
                     res = run_ranks(_compare, p, p, m, schedule, partition, a.warmup, a.steps,
-                                    timeout=900)
+                                    a.d, a.batch, a.pin, timeout=900)
                     rows.append(_summarise(res, p, m, schedule, partition))
                     r = rows[-1]
                     print(f"p={p} m={m} {partition} {schedule}: smshim {1e3 * r['smshim_s']:.1f} "
                           f"ms, torch {1e3 * r['torch_s']:.1f} ms, single {1e3 * r['single_s']:.1f} "
                           f"ms; ours/torch {r['smshim_vs_torch']:.3f}, ours/single "
                           f"{r['smshim_vs_single']:.3f}", flush=True)
-    print(f"\nMLP {BLOCKS} x pre-LN residual block (d={D}, hidden {4 * D}), head + loss, batch "
-          f"{BATCH}; one thread per process; median of {a.steps} steps after {a.warmup} warm-up; "
+    print(f"\nMLP {BLOCKS} x pre-LN residual block (d={a.d}, hidden {4 * a.d}), head + loss, batch "
+          f"{a.batch}; one thread per process{'; pinned' if a.pin else ''}; median of {a.steps} "
+          f"steps after {a.warmup} warm-up; "
           f"load avg at start {load[0]:.2f}")
     print(f"{'p':>2} {'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
           f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12} "
-          f"{'ideal':>6} {'cpu ours/torch':>14}  peak live mb per rank")
+          f"{'ideal':>6} {'cpu ours/torch':>14} {'rank-0 switches ours/torch':>26}  peak live mb "
+          "per rank")
     for r in rows:
         print(f"{r['p']:>2} {r['m']:>3} {r['partition']:<9} {r['schedule']:<12} "
               f"{1e3 * r['smshim_s']:9.1f} {1e3 * r['torch_s']:9.1f} {1e3 * r['single_s']:9.1f} "
               f"{r['smshim_vs_torch']:10.3f} {r['smshim_vs_single']:11.3f} "
               f"{r['torch_vs_single']:12.3f} {r['ideal_vs_single']:6.3f} "
-              f"{r['cpu_smshim_vs_torch']:14.3f}  {r['peak_live_by_rank']}")
+              f"{r['cpu_smshim_vs_torch']:14.3f} "
+              f"{r['rank0_switches']['smshim']:>15.0f} / {r['rank0_switches']['torch']:<8.0f} "
+              f"{r['peak_live_by_rank']}")
     for r in rows:
         if r["partition"] == "auto":
             print(f"auto partition (p={r['p']}): " + "; ".join(
@@ -330,7 +361,8 @@ def main() -> None:
     print(f"wall time {wall:.0f} s; load avg at end {os.getloadavg()[0]:.2f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"d": D, "blocks": BLOCKS, "batch": BATCH, "steps": a.steps, "warmup": a.warmup,
+        json.dump({"d": a.d, "blocks": BLOCKS, "batch": a.batch, "pinned": a.pin,
+                   "steps": a.steps, "warmup": a.warmup,
                    "load_avg_start": load, "load_avg_end": os.getloadavg(), "wall_s": wall,
                    "rows": rows}, f, indent=1, default=str)
 

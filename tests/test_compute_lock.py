@@ -86,3 +86,43 @@ def test_a_holder_taking_the_lock_again_gives_its_place_up():
     t = _start(lock, (1, 0), log, "backward")
     t.join(5)
     assert log == ["backward"]
+
+
+def test_a_release_wakes_only_the_waiter_that_takes_the_lock(monkeypatch):
+    """Waiting threads sleep on events of their own: a release wakes the next one, not all of
+    them (each needless wake-up is a thread switch and a turn at the GIL)."""
+    woken = []
+
+    class Event(threading.Event):
+        def set(self):
+            woken.append(self)
+            super().set()
+
+    monkeypatch.setattr(threading, "Event", Event)
+    lock, log = ComputeLock(), []
+    go_on = threading.Event()
+
+    def take(priority, name):
+        with lock.hold(priority):
+            log.append(name)
+            go_on.wait(5)
+
+    lock.acquire((0, 0))
+    threads = []
+    for i in range(1, 5):
+        threads.append(threading.Thread(target=take, args=((1, i), f"mb{i}"), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while len(lock._waiters) < i and time.monotonic() < deadline:
+            time.sleep(0.001)
+    woken.clear()  # (starting a thread sets an event too)
+    lock.release()
+    deadline = time.monotonic() + 5
+    while not log and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert log == ["mb1"]
+    assert len(woken) == 1  # mb2..mb4 slept on
+    go_on.set()
+    for t in threads:
+        t.join(5)
+    assert log == ["mb1", "mb2", "mb3", "mb4"]

@@ -79,7 +79,12 @@ class Pipeline:
             # pp_rank 0 also computes in the root's glue code, outside any region: it reduces at
             # the end of the step.
             self.server.on_local_backward_done = self._on_local_backward_done
-        self._cond = threading.Condition()
+        # The caller's thread waits on _cond (to admit microbatches); bodies wait at the gate for
+        # their backward's permission, woken only when it may have come: with every body
+        # notified of every change, m bodies waiting cost m thread switches per change.
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._backward_gate = threading.Condition(lock)
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
@@ -88,6 +93,7 @@ class Pipeline:
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+            self._backward_gate.notify_all()
 
     # ---- pp_rank 0 ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
@@ -132,6 +138,8 @@ class Pipeline:
                     counts["finished"] += 1
                     self._backward_finished.add(mb)
                     self._cond.notify_all()
+                    if self.deterministic:
+                        self._backward_gate.notify_all()
 
         def job(mb: int) -> None:
             try:
@@ -174,7 +182,7 @@ class Pipeline:
         self._mark_forward_done(mb)
         self.server.prefetch(tensors)
         self.transport.flush()  # the forward's calls leave before this thread waits
-        with self._cond:
+        with self._backward_gate:
             while not schedule.may_start_backward(self._forwards_done) or (
                     self.deterministic and not self._backward_finished.issuperset(range(mb))):
                 self.transport.check()
@@ -183,7 +191,7 @@ class Pipeline:
                         f"microbatch {mb} waited {self.timeout_s:.0f} s to start its backward: "
                         f"only {self._forwards_done} of {schedule.microbatches} forwards "
                         "finished (does every microbatch call model.backward?)")
-                self._cond.wait(timeout=1.0)
+                self._backward_gate.wait(timeout=1.0)
         if schedule.backwards_begin_in_order:
             self.server.wait_backward_begun(mb)
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
@@ -195,6 +203,8 @@ class Pipeline:
         with self._cond:
             self._backward_finished.add(mb)
             self._cond.notify_all()
+            if self.deterministic:
+                self._backward_gate.notify_all()
 
     def _mark_forward_done(self, mb: int) -> None:
         """The microbatch's forward code is over (it called model.backward, or returned)."""
@@ -206,6 +216,8 @@ class Pipeline:
         with self._cond:
             self._forwards_done += 1
             self._cond.notify_all()
+            if self._schedule.may_start_backward(self._forwards_done):
+                self._backward_gate.notify_all()
 
     # ---- other pp ranks -----------------------------------------------------------------------
     def serve(self, microbatches: int) -> List[Any]:

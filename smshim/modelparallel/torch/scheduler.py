@@ -131,9 +131,13 @@ class ComputeLock:
     GRACE_S = 0.002
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # Each waiter sleeps on an event of its own, and a change wakes only the waiter that may
+        # take the lock next: waking every waiter on each release (a condition's notify_all)
+        # costs a thread switch and a turn at the GIL per waiter, just when the next one should
+        # start computing.
+        self._mutex = threading.Lock()
         self._held_by: Optional[int] = None
-        self._waiters: list = []
+        self._waiters: list = []  # heap of (priority, seq, thread id, key, event)
         self._places: list = []  # (priority, seq, None, key): see keep_place
         self._seq = itertools.count()
         self._local = threading.local()
@@ -141,7 +145,7 @@ class ComputeLock:
         self._reserved_until = 0.0
 
     def _next(self):
-        """(under the condition) The waiter that may take the lock now, and how long to wait
+        """(under the mutex) The waiter that may take the lock now, and how long to wait
         for the reservation to expire otherwise."""
         if self._reserved is not None:
             left = self._reserved_until - time.monotonic()
@@ -154,27 +158,39 @@ class ComputeLock:
             return None, None  # a kept place comes first
         return first, None
 
+    def _wake_next(self) -> None:
+        """(under the mutex) The lock is free, or what decides who gets it changed: wake the
+        waiter that may take it, or, while a reservation runs with none of its work waiting,
+        the first waiter (it sleeps until the reservation expires)."""
+        if self._held_by is not None or not self._waiters:
+            return
+        nxt, left = self._next()
+        if nxt is None and left is not None:
+            nxt = self._waiters[0]
+        if nxt is not None:
+            nxt[4].set()
+
     def keep_place(self, priority: Tuple[int, int], key: Optional[tuple] = None) -> tuple:
         """Keep a place in the queue at `priority` for work that has come but cannot start yet
         (its inputs are on the way): no waiter of a larger priority takes the lock before that
         work has. Waiters of an equal priority do not wait for it (work of the same microbatch
         may be what produces its inputs). The work takes its place with `acquire(place=...)`;
         `give_up` drops it (the work failed, or will not run)."""
-        with self._cond:
+        with self._mutex:
             place = (priority, next(self._seq), None, key)
             heapq.heappush(self._places, place)
             return place
 
     def give_up(self, place: tuple) -> None:
-        with self._cond:
+        with self._mutex:
             if self._drop_place(place):
-                self._cond.notify_all()
+                self._wake_next()
 
     def clear_places(self) -> None:
         """Drop every kept place (a failed step: the work they were kept for will not come)."""
-        with self._cond:
+        with self._mutex:
             self._places.clear()
-            self._cond.notify_all()
+            self._wake_next()
 
     def _drop_place(self, place: tuple) -> bool:
         try:
@@ -187,16 +203,27 @@ class ComputeLock:
     def acquire(self, priority: Tuple[int, int], key: Optional[tuple] = None,
                 place: Optional[tuple] = None) -> None:
         me = threading.get_ident()
-        with self._cond:
+        with self._mutex:
             # Work that kept a place waits from there (first among its equals that came later).
             seq = place[1] if place is not None and self._drop_place(place) else next(self._seq)
-            entry = (priority, seq, me, key)
+            event = getattr(self._local, "event", None)  # (a thread waits in one acquire at a time)
+            if event is None:
+                event = self._local.event = threading.Event()
+            entry = (priority, seq, me, key, event)
             heapq.heappush(self._waiters, entry)
             while True:
                 nxt, left = self._next()
                 if self._held_by is None and nxt is entry:
                     break
-                self._cond.wait(timeout=left if self._held_by is None else None)
+                # A wake-up that comes between the release of the mutex and the wait is kept
+                # by the event: none is lost.
+                timeout = left if self._held_by is None else None
+                event.clear()
+                self._mutex.release()
+                try:
+                    event.wait(timeout=timeout)
+                finally:
+                    self._mutex.acquire()
             self._waiters.remove(entry)
             heapq.heapify(self._waiters)
             self._held_by = me
@@ -205,12 +232,12 @@ class ComputeLock:
         self._local.key = key
 
     def release(self, reserve: bool = False) -> None:
-        with self._cond:
+        with self._mutex:
             self._held_by = None
             key = getattr(self._local, "key", None)
             if reserve and key is not None:
                 self._reserved, self._reserved_until = key, time.monotonic() + self.GRACE_S
-            self._cond.notify_all()
+            self._wake_next()
 
     def held(self) -> bool:
         return self._held_by == threading.get_ident()

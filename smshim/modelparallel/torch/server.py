@@ -198,6 +198,10 @@ class ModuleServer:
         self._fwd_turns: set = set()  # pp_rank 0: microbatches whose forward (backward) is over
         self._bwd_turns: set = set()
         self._bwd_begun: set = set()  # pp_rank 0: microbatches whose backward made its first call
+        # pp_rank 0: bodies waiting in _wait_turn, (set, microbatch, event): an entry added to a
+        # set wakes only the body whose turn it completes, not every body waiting (_cond's
+        # notify_all would wake all of them, each costing a thread switch and a turn at the GIL).
+        self._turn_waiters: List[tuple] = []
         # pp_rank 0: its own modules a microbatch ran, by (direction, microbatch), and how many
         # a microbatch runs in all (learned from microbatches whose code for it was over).
         self._own_runs: collections.Counter = collections.Counter()
@@ -341,6 +345,8 @@ class ModuleServer:
         self.lock.clear_places()
         with self._cond:
             self._cond.notify_all()
+            for _, _, event in self._turn_waiters:
+                event.set()
         self.step_end.put(Message("error", meta=str(exc)))
 
     def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int) -> None:
@@ -846,13 +852,32 @@ class ModuleServer:
             return
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while any(j not in done for j in range(mb)):
+            if _turn_come(done, mb):
+                return
+            event = threading.Event()
+            waiter = (done, mb, event)
+            self._turn_waiters.append(waiter)
+        try:
+            while True:
+                event.wait(timeout=1.0)
+                with self._cond:
+                    if _turn_come(done, mb):
+                        return
+                    event.clear()  # (an entry added after this check sets it again)
                 self.transport.check()
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pp rank 0 waited {self.timeout_s:.0f} s to run the {what}:"
                                         f" earlier microbatches {sorted(set(range(mb)) - done)} "
                                         f"did not {their} theirs")
-                self._cond.wait(timeout=1.0)
+        finally:
+            with self._cond:
+                self._turn_waiters.remove(waiter)
+
+    def _turn_added_locked(self, done: set) -> None:
+        """(under _cond) An entry was added to `done`: wake the bodies whose turn it was."""
+        for waiting_on, mb, event in self._turn_waiters:
+            if waiting_on is done and _turn_come(done, mb):
+                event.set()
 
     def _note_backward_begun(self, mb: int) -> None:
         if ctx.driver and mb not in self._bwd_begun:
@@ -863,7 +888,7 @@ class ModuleServer:
         request: messages to a peer leave in the order they were queued), or will make none."""
         with self._cond:
             self._bwd_begun.add(mb)
-            self._cond.notify_all()
+            self._turn_added_locked(self._bwd_begun)
 
     def wait_backward_begun(self, mb: int) -> None:
         """pp_rank 0, schedules whose backwards begin in microbatch order: microbatch `mb`'s
@@ -881,8 +906,9 @@ class ModuleServer:
 
     def _next_turn_locked(self, direction: str, mb: int) -> None:
         """Microbatch `mb` is done with `direction` here: the next one's turn (under _cond)."""
-        (self._fwd_turns if direction == FORWARD else self._bwd_turns).add(mb)
-        self._cond.notify_all()
+        done = self._fwd_turns if direction == FORWARD else self._bwd_turns
+        done.add(mb)
+        self._turn_added_locked(done)
 
     def _own_run(self, direction: str, mb: int) -> None:
         """pp_rank 0 ran one of its own modules for microbatch `mb`. Once it has run as many as
@@ -1051,6 +1077,11 @@ _PREFETCH_NUMEL = 64
 
 # Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
 _IDLE_PRIORITY = (2, 0)
+
+
+def _turn_come(done: set, mb: int) -> bool:
+    """Has every microbatch before `mb` reached `done`?"""
+    return len(done) >= mb and all(j in done for j in range(mb))
 
 
 def _needs(msg: Message) -> List[Any]:

@@ -27,18 +27,22 @@ Key = Tuple[Any, ...]
 class ValueStore:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
         self._wanted: Dict[Key, List[int]] = {}
         self._waiters: Dict[Key, List[tuple]] = {}
+        # Threads in `get`, by the key they wait for: a value wakes only its own waiters (on
+        # pp_rank 0 every microbatch's body may be waiting for a gradient at once).
+        self._getters: Dict[Key, List[threading.Event]] = {}
         self._error: Optional[BaseException] = None
 
     def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[int]:
         """Keep `value`; returns the ranks that asked for it before it existed (send it to them)."""
         ready = []
-        with self._cond:
+        with self._lock:
             self._values[key] = (value, microbatch)
-            self._cond.notify_all()
+            for event in self._getters.get(key, ()):
+                event.set()
             for waiter in self._waiters.pop(key, []):
                 waiter[0].discard(key)
                 if not waiter[0]:
@@ -51,7 +55,7 @@ class ValueStore:
     def when_ready(self, keys, fn: Callable[[], None]) -> None:
         """Call `fn` once every key is here (at once if they are): a request waits for its
         inputs without holding a thread."""
-        with self._cond:
+        with self._lock:
             missing = {k for k in keys if k not in self._values}
             if missing:
                 waiter = (missing, fn)
@@ -62,7 +66,7 @@ class ValueStore:
 
     def want(self, key: Key, dst: int) -> Optional[torch.Tensor]:
         """The value if it is here (send it now); else remember that `dst` wants it."""
-        with self._cond:
+        with self._lock:
             entry = self._values.get(key)
             if entry is not None:
                 return entry[0]
@@ -70,45 +74,62 @@ class ValueStore:
             return None
 
     def peek(self, key: Key) -> Optional[torch.Tensor]:
-        with self._cond:
+        with self._lock:
             entry = self._values.get(key)
             return None if entry is None else entry[0]
 
     def get(self, key: Key, describe: Callable[[], str]) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout_s
-        with self._cond:
+        event: Optional[threading.Event] = None
+        try:
             while True:
-                entry = self._values.get(key)
-                if entry is not None:
-                    return entry[0]
-                if self._error is not None:
-                    raise PipelineError(f"{describe()}: {self._error}") from self._error
+                with self._lock:
+                    entry = self._values.get(key)
+                    if entry is not None:
+                        return entry[0]
+                    if self._error is not None:
+                        raise PipelineError(f"{describe()}: {self._error}") from self._error
+                    if event is None:
+                        event = threading.Event()
+                        self._getters.setdefault(key, []).append(event)
+                    else:
+                        event.clear()  # (a `put` after this check sets it again: none is lost)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PipelineError(f"{describe()}: nothing came in {self.timeout_s:.0f} s "
                                         "(SMSHIM_TIMEOUT sets this limit)")
-                self._cond.wait(timeout=min(left, 1.0))
+                event.wait(timeout=min(left, 1.0))
+        finally:
+            if event is not None:
+                with self._lock:
+                    getters = self._getters.get(key)
+                    if getters is not None:
+                        getters.remove(event)
+                        if not getters:
+                            del self._getters[key]
 
     def drop_microbatch(self, microbatch: int) -> None:
-        with self._cond:
+        with self._lock:
             for key in [k for k, (_, mb) in self._values.items() if mb == microbatch]:
                 del self._values[key]
 
     def clear(self) -> None:
-        with self._cond:
+        with self._lock:
             self._values.clear()
             self._wanted.clear()
             self._waiters.clear()
 
     def fail(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             self._error = exc
-            self._cond.notify_all()
+            for events in self._getters.values():
+                for event in events:
+                    event.set()
 
     def reset_error(self) -> None:
-        with self._cond:
+        with self._lock:
             self._error = None
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._values)

@@ -1,0 +1,146 @@
+"""Waits that many threads share wake only the thread whose condition came true: the value
+store's `get` (pp_rank 0's bodies waiting for gradients) and pp_rank 0's turns (bodies waiting
+for the earlier microbatches). With a condition's notify_all, m waiting bodies cost m thread
+switches per change (m^2 per step under `simple`)."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from smshim.modelparallel.torch.scheduler import FORWARD, ComputeLock
+from smshim.modelparallel.torch.server import ModuleServer, ctx
+from smshim.modelparallel.torch.timeline import Timeline
+from smshim.modelparallel.torch.transport import PipelineError
+from smshim.modelparallel.torch.value_store import ValueStore
+
+
+@pytest.fixture
+def woken(monkeypatch):
+    """The events set from now on (threading.Event, counted)."""
+    sets = []
+
+    class Event(threading.Event):
+        def set(self):
+            sets.append(self)
+            super().set()
+
+    monkeypatch.setattr(threading, "Event", Event)
+    return sets
+
+
+def _wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert cond()
+
+
+def test_a_value_wakes_only_the_threads_waiting_for_it(woken):
+    store, got = ValueStore(timeout_s=10), {}
+
+    def get(key):
+        got[key] = store.get(key, lambda: f"waiting for {key}")
+
+    threads = [threading.Thread(target=get, args=(k,), daemon=True) for k in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(store._getters) == 3)
+    woken.clear()  # (starting a thread sets an event too)
+    store.put("b", torch.ones(1), microbatch=0)
+    threads[1].join(5)
+    assert list(got) == ["b"]
+    assert len(woken) == 1  # the threads waiting for "a" and "c" slept on
+    assert sorted(store._getters) == ["a", "c"]
+    store.put("a", torch.zeros(1), microbatch=0)
+    store.put("c", torch.zeros(1), microbatch=0)
+    for t in threads:
+        t.join(5)
+    assert sorted(got) == ["a", "b", "c"] and not store._getters
+
+
+def test_a_failure_wakes_every_waiting_thread_at_once():
+    store, errors = ValueStore(timeout_s=30), []
+
+    def get(key):
+        try:
+            store.get(key, lambda: f"waiting for {key}")
+        except PipelineError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=get, args=(k,), daemon=True) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(store._getters) == 2)
+    t0 = time.monotonic()
+    store.fail(RuntimeError("pp rank 2 died"))
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - t0 < 0.5  # not the 1 s poll
+    assert sorted(errors) == ["waiting for a: pp rank 2 died", "waiting for b: pp rank 2 died"]
+
+
+class _Transport:
+    error = None
+
+    def check(self):
+        if self.error is not None:
+            raise PipelineError(str(self.error))
+
+
+@pytest.fixture
+def server():
+    s = ModuleServer(nn.Linear(2, 2), {}, 0, ComputeLock(), Timeline(0, None), timeout_s=10,
+                     device=torch.device("cpu"))
+    s.transport = _Transport()
+    yield s
+    s.close()
+
+
+def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
+    order = []
+
+    def body(mb):
+        ctx.driver = True
+        server._wait_turn(server._fwd_turns, mb, f"forward of microbatch {mb}")
+        order.append(mb)
+
+    threads = [threading.Thread(target=body, args=(mb,), daemon=True) for mb in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(server._turn_waiters) == 3)
+    woken.clear()  # (starting a thread sets an event too)
+    server.turn_done(FORWARD, 0)
+    threads[0].join(5)
+    assert order == [1]
+    assert len(woken) == 1  # microbatches 2 and 3 slept on
+    assert [mb for _, mb, _ in server._turn_waiters] == [2, 3]
+    server.turn_done(FORWARD, 1)
+    threads[1].join(5)
+    server.turn_done(FORWARD, 2)
+    for t in threads:
+        t.join(5)
+    assert order == [1, 2, 3] and not server._turn_waiters
+
+
+def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
+    errors = []
+
+    def body():
+        ctx.driver = True
+        try:
+            server._wait_turn(server._fwd_turns, 2, "forward of microbatch 2")
+        except PipelineError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    _wait_until(lambda: len(server._turn_waiters) == 1)
+    t0 = time.monotonic()
+    server.transport.error = RuntimeError("pp rank 1 died")
+    server.wake_all(server.transport.error)
+    t.join(5)
+    assert time.monotonic() - t0 < 0.5
+    assert errors == ["pp rank 1 died"]
