@@ -1,7 +1,8 @@
-"""Waits that many threads share wake only the thread whose condition came true: the value
-store's `get` (pp_rank 0's bodies waiting for gradients) and pp_rank 0's turns (bodies waiting
-for the earlier microbatches). With a condition's notify_all, m waiting bodies cost m thread
-switches per change (m^2 per step under `simple`)."""
+"""Waits that many threads share wake only the thread whose condition came true: the compute
+lock (a release wakes the waiter that takes it), the value store's `get` (pp_rank 0's bodies
+waiting for gradients) and pp_rank 0's turns (bodies waiting for the earlier microbatches).
+With a condition's notify_all, m waiting bodies cost m thread switches per change (m^2 per step
+under `simple`)."""
 
 import threading
 import time
@@ -36,6 +37,32 @@ def _wait_until(cond, timeout=5.0):
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert cond()
+
+
+def test_a_release_wakes_only_the_waiter_that_takes_the_lock(woken):
+    lock, log = ComputeLock(), []
+    go_on = threading.Event()
+
+    def take(priority, name):
+        with lock.hold(priority):
+            log.append(name)
+            go_on.wait(5)
+
+    lock.acquire((0, 0))
+    threads = []
+    for i in range(1, 5):
+        threads.append(threading.Thread(target=take, args=((1, i), f"mb{i}"), daemon=True))
+        threads[-1].start()
+        _wait_until(lambda: len(lock._waiters) == i)
+    woken.clear()  # (starting a thread sets an event too)
+    lock.release()
+    _wait_until(lambda: log)
+    assert log == ["mb1"]
+    assert len(woken) == 1  # mb2..mb4 slept on
+    go_on.set()
+    for t in threads:
+        t.join(5)
+    assert log == ["mb1", "mb2", "mb3", "mb4"]
 
 
 def test_a_value_wakes_only_the_threads_waiting_for_it(woken):
