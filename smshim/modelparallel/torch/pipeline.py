@@ -33,7 +33,7 @@ from .server import ModuleServer, ctx
 from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import STEP_END, Message, PipelineError, Transport
-from .workers import Workers
+from .workers import Workers, adopt_intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class Pipeline:
         self._reduce_lock = threading.Lock()
         self._reduce_future: Optional[Future] = None
         self.early_reductions = 0  # steps whose reduction overlapped the pipeline's drain
-        self._reduce_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-reduce")
+        self._reduce_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-reduce",
+                                               initializer=adopt_intra_op_threads)
         if pp_rank != 0:
             # pp_rank 0 also computes in the root's glue code, outside any region: it reduces at
             # the end of the step.

@@ -70,6 +70,7 @@ from .timeline import Timeline
 from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, SEND_TO, STEP_END,
                         VALUE, Message, PipelineError, Transport)
 from .value_store import ValueStore
+from .workers import adopt_intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,8 @@ class ModuleServer:
         self._predictions: Dict[Any, _Prediction] = {}
         self._saved: Dict[Tuple[int, int], tuple] = {}  # (caller, call id) -> (inputs, outputs, mb)
         self.peak_live_microbatches = 0
-        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"smp-serve-{pp_rank}")
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"smp-serve-{pp_rank}",
+                                        initializer=adopt_intra_op_threads)
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
@@ -1049,6 +1051,7 @@ class ModuleServer:
     def _compute_weight_grads(self) -> None:
         """Compute kept weight gradients whenever no forward or backward waits to run here
         (the lowest priority: a request arriving meanwhile waits for one product at most)."""
+        adopt_intra_op_threads()
         acc = self.weight_grads
         while not self._closing:
             if not acc.wait_for_work(timeout=0.5):
