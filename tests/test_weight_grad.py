@@ -228,3 +228,29 @@ def test_eager_mode_computes_in_the_backward():
     assert not acc.wait_for_work(timeout=0.0) and acc  # nothing kept: in the buffer already
     acc.flush()
     _close(fused.weight.grad, plain.weight.grad)
+
+
+def test_small_weights_keep_autograds_path_by_default(monkeypatch):
+    # The fused path's Python costs more than it saves on a small weight (conftest.py fuses every
+    # weight for the other tests; here the default applies).
+    monkeypatch.delenv(wg.MIN_NUMEL_ENV, raising=False)
+    small = nn.Linear(16, 64)  # 1 Ki elements
+    large = nn.Linear(256, 512)  # 128 Ki: the smallest that is fused by default
+    acc = wg.WeightGradAccumulator()
+    acc.active = True
+    assert large.weight.numel() == wg.DEFAULT_MIN_NUMEL
+    assert wg.install({"small": small, "large": large}, lambda name: True, acc) == [large]
+    assert type(small(torch.randn(2, 16, requires_grad=True)).grad_fn).__name__ == "AddmmBackward0"
+    y = large(torch.randn(2, 256, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "_LinearAccumulatingBackward"
+    wg.uninstall([large])
+    monkeypatch.setenv(wg.MIN_NUMEL_ENV, "1024")
+    assert wg.install({"small": small, "large": large}, lambda name: True, acc) == [small, large]
+    wg.uninstall([small, large])
+
+
+@pytest.mark.parametrize("value", ["-1", "big"])
+def test_a_bad_minimum_weight_size_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(wg.MIN_NUMEL_ENV, value)
+    with pytest.raises(ValueError, match=wg.MIN_NUMEL_ENV):
+        wg.install({"fc": nn.Linear(4, 4)}, lambda name: True, wg.WeightGradAccumulator())
