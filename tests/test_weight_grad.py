@@ -254,3 +254,25 @@ def test_a_bad_minimum_weight_size_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(wg.MIN_NUMEL_ENV, value)
     with pytest.raises(ValueError, match=wg.MIN_NUMEL_ENV):
         wg.install({"fc": nn.Linear(4, 4)}, lambda name: True, wg.WeightGradAccumulator())
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_cpu_autocast_takes_autograds_path_and_never_reaches_the_fused_products(deferred):
+    fused, plain, acc = _pair()
+    acc.deferred = deferred
+    x = _inputs(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (no-argument is_autocast_enabled: CUDA's)
+        y = fused(x)
+        assert "Accumulating" not in type(y.grad_fn).__name__ and y.dtype == torch.bfloat16
+    # Autocast turned off around the forward only, as in a region that opts out of it: the fused
+    # backward and the flush run under the caller's autocast, and must compute in fp32 all the same.
+    xs = _inputs()
+    x_grads = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for x in xs:
+            with torch.autocast("cpu", enabled=False):
+                out = F.gelu(fused(x)).pow(2).sum()
+            out.backward()
+            x_grads.append(x.grad.clone())
+        acc.flush()
+    _same_as_plain_autograd(fused, plain, acc, xs, x_grads)

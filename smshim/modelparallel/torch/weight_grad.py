@@ -161,7 +161,7 @@ class WeightGradAccumulator:
         a = as_[0] if len(as_) == 1 else torch.cat(as_)
         b = bs[0] if len(bs) == 1 else torch.cat(bs)
         self._rows[key] -= a.shape[0]
-        with torch.no_grad():
+        with torch.no_grad(), _without_autocast(a):  # (a flush may run under the caller's)
             self._add_locked(param, lambda t: _product(a, b, t))
 
     def wait_for_work(self, timeout: float) -> bool:
@@ -210,6 +210,14 @@ def _bound(weight: torch.Tensor) -> int:
     return max(1, weight.numel() // sum(weight.shape))
 
 
+def _without_autocast(t: torch.Tensor) -> torch.autocast:
+    """Autocast off for `t`'s device. The fused path runs only where autocast was off in the
+    forward, but a Python backward (unlike autograd's own) and the step's flush run under
+    whatever autocast the calling thread has on (a backward called inside an autocast region
+    around a forward that turned it off), which would cast the products to the half type."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, target: Optional[torch.Tensor]) -> torch.Tensor:
     """`a^T b`, added into `target` in place, or (target None) as a new tensor."""
     return a.t().mm(b) if target is None else target.addmm_(a.t(), b)
@@ -250,9 +258,10 @@ class _LinearAccumulating(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[1] else None
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        return _parameter_grads(ctx, grad_x, g2, x.reshape(-1, x.shape[-1]), g2)
+        with _without_autocast(x):
+            grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[1] else None
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            return _parameter_grads(ctx, grad_x, g2, x.reshape(-1, x.shape[-1]), g2)
 
 
 class _Conv1DAccumulating(torch.autograd.Function):
@@ -269,9 +278,10 @@ class _Conv1DAccumulating(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = g2.mm(weight.t()).view(x.shape) if ctx.needs_input_grad[1] else None
-        return _parameter_grads(ctx, grad_x, x.reshape(-1, x.shape[-1]), g2, g2)
+        with _without_autocast(x):
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_x = g2.mm(weight.t()).view(x.shape) if ctx.needs_input_grad[1] else None
+            return _parameter_grads(ctx, grad_x, x.reshape(-1, x.shape[-1]), g2, g2)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -304,7 +314,7 @@ def fused_forward(module: nn.Module, acc: WeightGradAccumulator
     def forward(x: torch.Tensor) -> torch.Tensor:
         w, b = module.weight, module.bias
         if (not acc.active or not torch.is_grad_enabled() or not w.requires_grad
-                or torch.is_autocast_enabled() or not _plain(w) or not _plain(b)
+                or torch.is_autocast_enabled(w.device.type) or not _plain(w) or not _plain(b)
                 or type(x) is not torch.Tensor or x.dtype != w.dtype or w.dtype not in _FULL
                 or x.numel() >= _bound(w) * x.shape[-1]):
             # (The last: a microbatch with as many rows as the weight may keep has its product
