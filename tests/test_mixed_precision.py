@@ -6,6 +6,7 @@ dtype, the batch cut into the same microbatches, each microbatch's loss scaled b
 backward, fp32 master weights stepped by a torch optimizer and copied back.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -272,3 +273,87 @@ def test_model_created_in_bf16_steps_fp32_masters():
     merged = {**results[0], **results[1]}
     for n, w in zip(names, masters):
         assert (merged[n] - w).abs().max().item() < MP_TOL, n
+
+
+# ---- torch.autocast inside the step function, or around its call ---------------------------------
+
+AUTOCAST_PARTS = ("blocks.2", "blocks.3", "head")  # on pp rank 1
+# bf16 sums of gradients group differently across module boundaries: a value that three ops use,
+# two of them inside a module, gets ((a + b) + c) here and autograd's order in one process; and
+# `shared`, called twice, has its weight cast once per autocast region in one process (autocast's
+# cache), so its two calls' gradients meet in bf16 there, in fp32 here. (In fp32 the same
+# groupings differ by ~1e-8.) What must hold exactly: every module computes in bf16.
+AUTOCAST_TOL = 2e-4
+
+
+def _autocast_reference(steps=1, batch=8, m=2):
+    """Single process: the same microbatches, each forward under CPU bf16 autocast."""
+    model = make_model("net")
+    opt = _opt(model.parameters())
+    for x, y in batches("net", steps, batch):
+        opt.zero_grad()
+        k = batch // m
+        for mb in range(m):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x[mb * k:(mb + 1) * k], scale=0.5)
+            (F.cross_entropy(out["logits"].float(), y[mb * k:(mb + 1) * k]) / m).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _autocast_train(where, ckpt=False, steps=1, batch=8):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+              "default_partition": 0, "deterministic_server": True})
+    module = make_model("net")
+    if ckpt:  # recomputed in the backward, under the autocast its forward had
+        for name in ("blocks.0", "blocks.3"):
+            smp.set_activation_checkpointing(module.get_submodule(name))
+    model = smp.DistributedModel(module)
+    for name in AUTOCAST_PARTS:
+        smp.set_partition(module.get_submodule(name), 1)
+    opt = smp.DistributedOptimizer(_opt(model.parameters()))
+    seen = {}  # linear layer -> dtypes of its outputs (where its call was made)
+
+    def record(name):
+        return lambda mod, args, out: seen.setdefault(name, set()).add(str(out.dtype))
+
+    for name, mod in module.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_hook(record(name))
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    inside = autocast if where == "inside" else contextlib.nullcontext
+    outside = autocast if where == "outside" else contextlib.nullcontext
+
+    @smp.step
+    def train_step(model, x, y):
+        with inside():
+            out = model(x, scale=0.5)
+        loss = F.cross_entropy(out["logits"].float(), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in batches("net", steps, batch):
+        opt.zero_grad()
+        with outside():
+            train_step(model, x, y)
+        opt.step()
+    return {"weights": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+            "seen": seen}
+
+
+@pytest.mark.parametrize("where, ckpt", [("inside", False), ("outside", False), ("inside", True)])
+def test_autocast_reaches_every_stage(where, ckpt):
+    """The modules of every stage (and pp_rank 0's step bodies, for autocast around the step
+    call) run under the caller's autocast, as in one process: the same weights after a step."""
+    results = run_ranks(_autocast_train, 2, where, ckpt, timeout=180)
+    for r in results:
+        assert r["seen"] and all(d == {"torch.bfloat16"} for d in r["seen"].values()), r["seen"]
+    assert "blocks.3.lin" in results[1]["seen"]  # (called on pp rank 1)
+    merged = {n: w for r in results for n, w in r["weights"].items()}
+    ref = _autocast_reference()
+    assert set(merged) == set(ref)
+    for n, w in ref.items():
+        diff = (merged[n] - w).abs().max().item()
+        assert diff < AUTOCAST_TOL, f"{n}: max abs diff {diff}"

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import tp_comm
+from . import autocast_state, tp_comm
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
 from .server import ModuleServer, ctx
 from .structure import fill, flatten
@@ -113,8 +113,9 @@ class Pipeline:
         step = self.step
 
         # A body runs in a worker thread, with the caller's grad mode (a step called under
-        # torch.no_grad() builds no graph, here or on the ranks it calls).
+        # torch.no_grad() builds no graph, here or on the ranks it calls) and autocast.
         grad_enabled = torch.is_grad_enabled()
+        amp = autocast_state.capture()
 
         def body(mb: int) -> None:
             ctx.step, ctx.microbatch, ctx.in_step, ctx.forward_done = step, mb, True, False
@@ -122,7 +123,7 @@ class Pipeline:
             state.microbatch = mb
             try:
                 args, kwargs = mb_inputs[mb]
-                with torch.set_grad_enabled(grad_enabled):
+                with torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                     out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
                 results[mb] = self.server.finish_microbatch(mb, out)  # values, on every rank

@@ -62,7 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import weight_grad
+from . import autocast_state, weight_grad
 from .remote_tensor import RemoteTensor, _Cell
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
 from .structure import fill, flatten
@@ -433,7 +433,8 @@ class ModuleServer:
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
         template_bytes = pickle.dumps(call.template, protocol=pickle.HIGHEST_PROTOCOL)
-        pkey = (call.module, template_bytes, grad_enabled,
+        amp = autocast_state.capture()  # the module runs under the caller's autocast
+        pkey = (call.module, template_bytes, grad_enabled, amp,
                 tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))
         pred = None if (sync or not self.predict) else self._predictions.get(pkey)
         call.call_id = call_id = next(self._ids)
@@ -449,7 +450,7 @@ class ModuleServer:
             self.transport.send(call.owner, Message(
                 FWD_REQ, call.step, call.microbatch, call_id, call.module,
                 meta=(template_bytes, enc, call.requires, grad_enabled, reply,
-                      pred.expect if pred is not None else None),
+                      pred.expect if pred is not None else None, amp),
                 tensors=inline), hold=reply is None)
             if box is not None:
                 msg = self._wait_reply(box, call.owner, call.what("forward"))
@@ -683,7 +684,7 @@ class ModuleServer:
                 f"step {msg.step})")
 
     def _serve_forward(self, msg: Message) -> None:
-        template_bytes, enc, requires, grad_enabled, reply, expect = msg.meta
+        template_bytes, enc, requires, grad_enabled, reply, expect, amp = msg.meta
         if msg.src == 0:
             self._admit(msg.microbatch, msg.step)
         what = f"an input of the {self._what(msg, 'forward')}"
@@ -712,7 +713,7 @@ class ModuleServer:
 
         self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver,
-                              place=getattr(msg, "place", None))
+                              place=getattr(msg, "place", None), amp=amp)
         self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
     def _serve_backward(self, msg: Message) -> None:
@@ -755,11 +756,12 @@ class ModuleServer:
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
-                         place: Optional[tuple] = None):
+                         place: Optional[tuple] = None, amp: autocast_state.State = None):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
         results on their way to another rank leave before the next module here starts. `place`:
-        the one the request kept in the compute lock's queue (see Schedule.strict_order)."""
+        the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
+        the caller's autocast state (a local region runs in the caller's thread, under its own)."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
@@ -767,7 +769,7 @@ class ModuleServer:
                             lambda: self._more_regions(FORWARD, mb), place):
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                     caller=caller), \
-                    torch.set_grad_enabled(grad_enabled):
+                    torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                 args, kwargs = fill(template, inputs)
                 out = self.real_forward(name)(*args, **kwargs)
             out_template, outs = flatten(out)
