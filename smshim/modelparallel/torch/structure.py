@@ -44,6 +44,12 @@ def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
 
 def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     """Replace every tensor in nested containers by a slot; return (template, tensors)."""
+    # The common cases without the walk (every module call goes through here, on both ends):
+    # one tensor (a module's output), and a call's (args, kwargs) with tensor arguments only.
+    if isinstance(obj, torch.Tensor):
+        return _Slot(0), [obj]
+    if _plain_call(obj) and all(isinstance(a, torch.Tensor) for a in obj[0]):
+        return (tuple(_Slot(i) for i in range(len(obj[0]))), {}), list(obj[0])
     tensors: List[torch.Tensor] = []
 
     def to_slot(leaf):
@@ -57,4 +63,14 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
 
 def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of `flatten`."""
+    if type(template) is _Slot:
+        return tensors[template.index]
+    if _plain_call(template) and all(type(a) is _Slot for a in template[0]):
+        return tuple(tensors[a.index] for a in template[0]), {}
     return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
+
+
+def _plain_call(obj: Any) -> bool:
+    """`obj` is a call's (args, kwargs) with a plain args tuple and no keywords."""
+    return (type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple
+            and type(obj[1]) is dict and not obj[1])
