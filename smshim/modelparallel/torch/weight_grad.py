@@ -20,8 +20,9 @@ pipeline step (the step's end flushes before any gradient reduction). Everything
 ordinary path: no grad, autocast, fp16/bf16 weights, double backward (`create_graph`), tensor
 subclasses, weights with hooks of their own (their hooks expect one call per microbatch), and
 small weights (fewer than `SMSHIM_FUSED_WGRAD_MIN_NUMEL` elements, 128 Ki by default: there the
-path's Python costs more than it saves). `SMSHIM_FUSED_WGRAD=0` turns it off; `SMSHIM_FUSED_WGRAD=eager` (and `deterministic_server`)
-computes each microbatch's weight gradient in its backward, into the same buffer.
+path's Python costs more than it saves). `SMSHIM_FUSED_WGRAD=0` turns it off;
+`SMSHIM_FUSED_WGRAD=eager` (and `deterministic_server`) computes each microbatch's weight
+gradient in its backward, into the same buffer.
 """
 from __future__ import annotations
 
