@@ -215,9 +215,10 @@ class Pipeline:
         ctx.forward_done = True
         self.server.turn_done(FORWARD, mb)
         self.server.forward_done(mb)
-        with self._cond:
+        # Only the bodies at the gate wait on the count (the caller's thread admits microbatches
+        # by backwards finished, not forwards done).
+        with self._backward_gate:
             self._forwards_done += 1
-            self._cond.notify_all()
             if self._schedule.may_start_backward(self._forwards_done):
                 self._backward_gate.notify_all()
 
