@@ -81,6 +81,7 @@ def test_messages_arrive_in_order_and_answering_receivers_never_wait_on_each_oth
 def _held(hold_s):
     """pp_rank 0's way of sending: messages held to leave together (Transport.send's `hold`)."""
     import datetime
+    import time
 
     import torch
     import torch.distributed as dist
@@ -124,10 +125,16 @@ def _held(hold_s):
         transport.send(1, msg("burst", 8))
         wait_for(acks, n)
         frames.append(dict(transport.sent_frames))
-        # Held and never flushed: they leave at the deadline all the same.
+        # Held and never flushed: they leave at the deadline all the same (the sender thread
+        # was already awake, for the burst's run of holds) ...
         transport.send(1, msg("late", 0), hold=True)
         transport.send(1, msg("late", 1), hold=True)
         wait_for(acks, n + 1)
+        frames.append(dict(transport.sent_frames))
+        # ... and after a pause long enough for it to sleep until told.
+        time.sleep(2 * hold_s + 0.2)
+        transport.send(1, msg("later", 0), hold=True)
+        wait_for(acks, n + 2)
         frames.append(dict(transport.sent_frames))
         if n == 3:
             # Calls moving on to another peer send what was held for the previous one.
@@ -135,17 +142,18 @@ def _held(hold_s):
             transport.send(2, msg("switch", 1), hold=True)
             transport.send(1, msg("switch", 2), hold=True)
             transport.flush()
-            wait_for(acks, n + 3)
+            wait_for(acks, n + 4)
             frames.append(dict(transport.sent_frames))
             # ... unless they are sent together: one frame per peer.
             with transport.together():
                 transport.send(1, msg("together", 0), hold=True)
                 transport.send(2, msg("together", 1), hold=True)
                 transport.send(1, msg("together", 2), hold=True)
-            wait_for(acks, n + 5)
+            wait_for(acks, n + 6)
             frames.append(dict(transport.sent_frames))
     else:
-        expect = {1: [("burst", 9), ("late", 2)] + [("switch", 2), ("together", 2)] * (n == 3),
+        expect = {1: [("burst", 9), ("late", 2), ("later", 1)]
+                  + [("switch", 2), ("together", 2)] * (n == 3),
                   2: [("switch", 1), ("together", 1)]}[me]
         transport.send(0, Message(VALUE, 0, 0, meta=("ack", "hello")))
         seen = 0
@@ -163,16 +171,18 @@ def test_held_messages_leave_together_in_order_and_never_stay():
     frames, _ = results[0]
     assert frames[0][1] == 2, frames  # 9 messages in 2 frames
     assert frames[1][1] == 3, frames  # the 2 held ones went at their deadline, together
+    assert frames[2][1] == 4, frames
     _, got = results[1]
-    assert [m for m, _ in got] == [("burst", i) for i in range(9)] + [("late", 0), ("late", 1)]
+    assert [m for m, _ in got] == [("burst", i) for i in range(9)] + [("late", 0), ("late", 1),
+                                                                      ("later", 0)]
     assert all(t == [float(m[1])] * 3 for m, t in got)
 
 
 def test_held_messages_leave_when_the_calls_move_on_to_another_peer():
     results = run_ranks(_held, 3, 0.3, timeout=120)
     frames = results[0][0]
-    assert frames[2][1] - frames[1][1] == 2 and frames[2][2] == 1, frames
-    assert frames[3][1] - frames[2][1] == 1 and frames[3][2] == 2, frames
+    assert frames[3][1] - frames[2][1] == 2 and frames[3][2] == 1, frames
+    assert frames[4][1] - frames[3][1] == 1 and frames[4][2] == 2, frames
     assert [m for m, _ in results[1][1]][-4:] == [("switch", 0), ("switch", 2),
                                                   ("together", 0), ("together", 2)]
     assert [m for m, _ in results[2][1]] == [("switch", 1), ("together", 1)]

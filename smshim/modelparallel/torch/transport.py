@@ -86,6 +86,10 @@ _PREFIX = 16  # two int64 lengths
 # pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
 # that held them normally flushes them well before.
 HOLD_S = 0.005
+# For this long after the last deadline, a sender thread with nothing held wakes every
+# `hold_s` instead of sleeping until notified (see `_send_loop`).
+_LINGER_S = 0.05
+_NEVER = float("inf")
 
 
 class Transport:
@@ -233,8 +237,9 @@ class Transport:
         with box.cond:
             box.items.append((msg, None))
             if box.hold_until is None:
-                box.hold_until = time.monotonic() + self.hold_s
-                box.cond.notify()  # the sender thread keeps the deadline
+                box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
+                if box.wakes_at > box.hold_until:  # (else it wakes in time by itself)
+                    box.cond.notify()  # the sender thread keeps the deadline
         if peer not in held:
             held.append(peer)
 
@@ -336,14 +341,23 @@ class Transport:
                                        or any(entry[2] for entry in box.posted)):
                         due = False
                         break
+                    now = time.monotonic()
+                    if box.hold_until is not None and box.hold_until <= now:
+                        due = True
+                        break
                     if box.hold_until is not None:
-                        left = box.hold_until - time.monotonic()
-                        if left <= 0:
-                            due = True
-                            break
-                        box.cond.wait(timeout=left)
+                        box.wakes_at = box.hold_until
+                    elif now - box.last_deadline < _LINGER_S:
+                        # Holds come in runs (pp_rank 0 during a step). Waking every hold_s
+                        # keeps any deadline set meanwhile, so a hold needs no notify (a
+                        # thread switch) while the run lasts: half the wakes of a notify per
+                        # hold and a wake at its deadline.
+                        box.wakes_at = now + self.hold_s
                     else:
-                        box.cond.wait()
+                        box.wakes_at = _NEVER
+                    box.cond.wait(timeout=None if box.wakes_at == _NEVER
+                                  else box.wakes_at - now)
+                    box.wakes_at = _NEVER
                 posted = list(box.posted) if not due else []
             if due:
                 self._post(peer, box)
@@ -519,6 +533,8 @@ class _Outbox:
         self.cond = threading.Condition()  # guards everything but `posting`
         self.items: List[tuple] = []  # (message, done event or None), not yet posted
         self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
+        self.last_deadline = -_NEVER  # the latest hold_until set
+        self.wakes_at = _NEVER  # when the sender thread's wait ends by itself
         self.posting = threading.Lock()  # one frame at a time, in queue order (see _post)
         # Posted frames not yet known complete: (works, buffers, done events, description).
         self.posted: collections.deque = collections.deque()
