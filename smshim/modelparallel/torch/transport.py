@@ -342,10 +342,10 @@ class Transport:
                         due = False
                         break
                     now = time.monotonic()
-                    if box.hold_until is not None and box.hold_until <= now:
-                        due = True
-                        break
                     if box.hold_until is not None:
+                        if box.hold_until <= now:
+                            due = True
+                            break
                         box.wakes_at = box.hold_until
                     elif now - box.last_deadline < _LINGER_S:
                         # Holds come in runs (pp_rank 0 during a step). Waking every hold_s
