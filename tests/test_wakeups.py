@@ -1,6 +1,7 @@
 """Waits that many threads share wake only the thread whose condition came true: the compute
 lock (a release wakes the waiter that takes it), the value store's `get` (pp_rank 0's bodies
-waiting for gradients) and pp_rank 0's turns (bodies waiting for the earlier microbatches).
+waiting for gradients), pp_rank 0's turns (bodies waiting for the earlier microbatches) and
+pp_rank 0's caller thread (woken when it can admit a microbatch or the step is over).
 With a condition's notify_all, m waiting bodies cost m thread switches per change (m^2 per step
 under `simple`)."""
 
@@ -16,6 +17,7 @@ from smshim.modelparallel.torch.server import ModuleServer, ctx
 from smshim.modelparallel.torch.timeline import Timeline
 from smshim.modelparallel.torch.transport import PipelineError
 from smshim.modelparallel.torch.value_store import ValueStore
+from smshim.testing import run_ranks
 
 
 @pytest.fixture
@@ -171,3 +173,35 @@ def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
     t.join(5)
     assert time.monotonic() - t0 < 0.5
     assert errors == ["pp rank 1 died"]
+
+
+def _caller_notifications(schedule, m, steps):
+    """How often pp_rank 0's caller thread (admitting microbatches, waiting for the step's end)
+    was notified in each step of a 2-stage pipeline."""
+    import smdistributed.modelparallel.torch as smp
+    from tests.pipeline_models import batches, make_model, make_train_step
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": schedule,
+              "active_microbatches": m if schedule == "simple" else 2})
+    module = make_model("net")
+    model = smp.DistributedModel(module)
+    train_step = make_train_step()
+    counts = []
+    for i, (x, y) in enumerate(batches("net", steps, 8)):
+        pipeline = model._pipeline
+        cond = pipeline._cond if pipeline is not None else None
+        if cond is not None and "notify_all" not in vars(cond):
+            def counted(_notify=cond.notify_all):
+                counts[-1] += 1
+                _notify()
+            cond.notify_all = counted
+        counts.append(0)
+        train_step(model, x, y)
+    return counts[1:]  # (the first step may build the pipeline)
+
+
+def test_the_callers_thread_is_notified_only_when_it_can_act():
+    # Under `simple` it admits every microbatch at once and then has nothing to do until the
+    # last body ends: one notification a step, where each backward and each body end (2m) woke it.
+    counts = run_ranks(_caller_notifications, 2, "simple", 4, 3, timeout=180)[0]
+    assert counts == [1, 1], counts

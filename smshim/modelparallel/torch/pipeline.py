@@ -88,6 +88,10 @@ class Pipeline:
         self._backward_gate = threading.Condition(lock)
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
+        # pp_rank 0's step in progress, guarded by _cond: microbatches started and finished
+        # (body over), the bodies' errors; see _caller_may_act.
+        self._started = self._finished = 0
+        self._errors: List[Tuple[int, BaseException]] = []
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
         self._bodies = Workers(f"smp-body-{pp_rank}")
 
@@ -95,6 +99,13 @@ class Pipeline:
         with self._cond:
             self._cond.notify_all()
             self._backward_gate.notify_all()
+
+    def _caller_may_act(self) -> bool:
+        """(Under _cond.) Has the caller's thread something to do: a microbatch to admit, the
+        step over, a body failed? It is notified only then: under `simple` it admits every
+        microbatch up front and waited through 2m notifications for the last one."""
+        return (self._finished >= self._schedule.microbatches or bool(self._errors)
+                or self._schedule.may_start_forward(self._started, len(self._backward_finished)))
 
     # ---- pp_rank 0 ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
@@ -105,11 +116,11 @@ class Pipeline:
         self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
+        self._started = self._finished = 0
+        self._errors = errors = []
         self.server.begin_step(m, schedule, self.step)
         self.transport.open_session()
         results: List[Any] = [None] * m
-        errors: List[Tuple[int, BaseException]] = []
-        counts = {"started": 0, "finished": 0}
         step = self.step
 
         # A body runs in a worker thread, with the caller's grad mode (a step called under
@@ -137,9 +148,10 @@ class Pipeline:
                 self.server.turn_done(FORWARD, mb)
                 self.server.turn_done(BACKWARD, mb)
                 with self._cond:
-                    counts["finished"] += 1
+                    self._finished += 1
                     self._backward_finished.add(mb)
-                    self._cond.notify_all()
+                    if self._caller_may_act():
+                        self._cond.notify_all()
                     if self.deterministic:
                         self._backward_gate.notify_all()
 
@@ -151,14 +163,14 @@ class Pipeline:
 
         returned = [threading.Event() for _ in range(m)]
         with self._cond:
-            while counts["finished"] < m and not errors and self.transport.error is None:
+            while self._finished < m and not errors and self.transport.error is None:
                 # A microbatch stops counting against rank 0's limit when its backward here is
                 # done (its activations are gone), not when its body has fetched its results.
-                while schedule.may_start_forward(counts["started"], len(self._backward_finished)):
-                    self._bodies.run(job, counts["started"])
-                    counts["started"] += 1
+                while schedule.may_start_forward(self._started, len(self._backward_finished)):
+                    self._bodies.run(job, self._started)
+                    self._started += 1
                 self._cond.wait(timeout=1.0)
-        started = returned[:counts["started"]]
+        started = returned[:self._started]
         if errors or self.transport.error is not None:
             for done in started:
                 done.wait(timeout=2.0)
@@ -166,8 +178,8 @@ class Pipeline:
                 mb, exc = min(errors, key=lambda e: e[0])
                 raise exc
             self.transport.check()
-        for done in started:
-            done.wait()
+        # (No wait for `returned` otherwise: every body has counted itself finished, the last
+        # thing it does with the step's state; waiting would cost the caller one more wake.)
         template, tensors = flatten(results)
         for peer in range(len(self.transport.ranks)):
             if peer != self.pp_rank:
@@ -204,7 +216,8 @@ class Pipeline:
         self.server.turn_done(BACKWARD, mb)
         with self._cond:
             self._backward_finished.add(mb)
-            self._cond.notify_all()
+            if self._caller_may_act():
+                self._cond.notify_all()
             if self.deterministic:
                 self._backward_gate.notify_all()
 
