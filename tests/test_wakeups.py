@@ -175,14 +175,14 @@ def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
     assert errors == ["pp rank 1 died"]
 
 
-def _caller_notifications(schedule, m, steps):
+def _caller_notifications(m, steps):
     """How often pp_rank 0's caller thread (admitting microbatches, waiting for the step's end)
-    was notified in each step of a 2-stage pipeline."""
+    was notified in each step of a 2-stage pipeline under `simple`."""
     import smdistributed.modelparallel.torch as smp
     from tests.pipeline_models import batches, make_model, make_train_step
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": schedule,
-              "active_microbatches": m if schedule == "simple" else 2})
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "simple",
+              "active_microbatches": m})
     module = make_model("net")
     model = smp.DistributedModel(module)
     train_step = make_train_step()
@@ -203,5 +203,5 @@ def _caller_notifications(schedule, m, steps):
 def test_the_callers_thread_is_notified_only_when_it_can_act():
     # Under `simple` it admits every microbatch at once and then has nothing to do until the
     # last body ends: one notification a step, where each backward and each body end (2m) woke it.
-    counts = run_ranks(_caller_notifications, 2, "simple", 4, 3, timeout=180)[0]
+    counts = run_ranks(_caller_notifications, 2, 4, 3, timeout=180)[0]
     assert counts == [1, 1], counts
