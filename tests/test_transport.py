@@ -287,3 +287,83 @@ def test_a_receiver_runs_the_work_a_frame_made_and_another_thread_goes_on_receiv
     assert seen["all"], got  # the values came while the work waited for them
     assert got == list(range(5))
     assert seen["worker"] == seen["receiver"]
+
+
+def _sessions(delay, stuck):
+    """Three steps (sessions). Rank 0 ends each with a last message that leaves with its CLOSE,
+    and goes on without waiting for rank 1's CLOSE; rank 1 closes step 1 `delay` s late (with
+    `stuck`, it never closes step 0 and rank 0's transport times out after 2 s)."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from smshim import _runtime
+    from smshim.modelparallel.torch.transport import VALUE, Message, PipelineError, Transport
+
+    torch.set_num_threads(1)
+    _runtime.init_distributed()
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=30))
+    got = []
+    cond = threading.Condition()
+
+    def dispatch(msg):
+        with cond:
+            got.append(msg.meta)
+            cond.notify_all()
+
+    transport = Transport([0, 1], me, group, _each(dispatch), 2.0 if stuck else 30.0,
+                          torch.device("cpu"))
+    seen, error = [], None
+    for step in range(3):
+        if me == 0:
+            try:
+                transport.open_session()
+            except PipelineError as e:
+                error = str(e)
+                break
+            t0 = time.monotonic()
+            transport.send(1, Message(VALUE, step, 0, meta=step, tensors=[torch.ones(2)]))
+            transport.close_session(step, last=Message(VALUE, step, meta=("last", step)))
+            seen.append((step, transport._peer_closes[1], time.monotonic() - t0))
+        else:
+            transport.open_session()
+            with cond:
+                assert cond.wait_for(lambda: ("last", step) in got, timeout=30), got
+            if stuck:
+                time.sleep(4)  # (rank 0 gives up on its third step, after 2 s)
+                transport.shutdown()
+                return got, seen, error, dict(transport.sent_frames), 0
+            if step == 1:
+                time.sleep(delay)
+            transport.close_session(step)
+    t0 = time.monotonic()
+    transport.shutdown()
+    shutdown_s = time.monotonic() - t0
+    seen.append(("shutdown", transport._peer_closes[1 - me], shutdown_s))
+    return got, seen, error, dict(transport.sent_frames), transport._closed_sessions
+
+
+def test_a_rank_leaves_a_step_without_waiting_for_its_peers_to_close_it():
+    delay = 3.0
+    (_, seen, error, frames, closed), (got, *_) = run_ranks(_sessions, 2, delay, False,
+                                                             timeout=120)
+    assert error is None
+    # Each step: the value, then the last message and the CLOSE in one frame.
+    assert frames == {1: 6}, frames
+    assert got == [0, ("last", 0), 1, ("last", 1), 2, ("last", 2)]
+    step1, step2, shutdown = seen[1], seen[2], seen[3]
+    # Rank 0 went through step 2 while rank 1 held on to step 1 ...
+    assert step1[1] <= 1 and step2[1] <= 1, seen
+    assert step2[2] < delay / 2, seen
+    # ... and its shutdown waited for the last CLOSE, so no receive is left pending at exit.
+    assert shutdown[1] == closed == 3, seen
+
+
+def test_a_peer_that_never_closes_a_step_is_an_error_one_step_later():
+    (_, seen, error, _, _), _ = run_ranks(_sessions, 2, 0.0, True, timeout=120)
+    assert [s[0] for s in seen[:2]] == [0, 1], seen  # steps 0 and 1 went on
+    assert error is not None and "waited 2 s for pp ranks [1]" in error, error
+    assert "to finish step 0" in error, error

@@ -88,9 +88,10 @@ class Pipeline:
         self._backward_gate = threading.Condition(lock)
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
-        # pp_rank 0's step in progress, guarded by _cond: microbatches started and finished
-        # (body over), the bodies' errors; see _caller_may_act.
-        self._started = self._finished = 0
+        # pp_rank 0's step in progress, guarded by _cond: microbatches started, finishing
+        # (their results being fetched) and finished (body over), the bodies' errors; see
+        # _caller_may_act.
+        self._started = self._finished = self._finishing = 0
         self._errors: List[Tuple[int, BaseException]] = []
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
         self._bodies = Workers(f"smp-body-{pp_rank}")
@@ -116,7 +117,7 @@ class Pipeline:
         self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
-        self._started = self._finished = 0
+        self._started = self._finished = self._finishing = 0
         self._errors = errors = []
         self.server.begin_step(m, schedule, self.step)
         self.transport.open_session()
@@ -137,7 +138,10 @@ class Pipeline:
                 with torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                     out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
-                results[mb] = self.server.finish_microbatch(mb, out)  # values, on every rank
+                with self._cond:
+                    self._finishing += 1
+                    last = self._finishing == m
+                results[mb] = self.server.finish_microbatch(mb, out, last)  # values, everywhere
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(
@@ -181,10 +185,10 @@ class Pipeline:
         # (No wait for `returned` otherwise: every body has counted itself finished, the last
         # thing it does with the step's state; waiting would cost the caller one more wake.)
         template, tensors = flatten(results)
-        for peer in range(len(self.transport.ranks)):
-            if peer != self.pp_rank:
-                self.transport.send(peer, Message(STEP_END, step, meta=template, tensors=tensors))
-        self._finish(step)
+        # Nothing more goes to the peers this step: the results and the CLOSE leave together.
+        self.transport.close_session(step, last=Message(STEP_END, step, meta=template,
+                                                        tensors=tensors))
+        self._finish(step, closed=True)
         return results
 
     def backward(self, tensors: List[torch.Tensor], grad_tensors: List[Optional[torch.Tensor]]) -> None:
@@ -276,11 +280,12 @@ class Pipeline:
         elif self.reduce_at_end is not None:
             self.reduce_at_end()
 
-    def _finish(self, step: int) -> None:
+    def _finish(self, step: int, closed: bool = False) -> None:
         self.server.flush_weight_grads()
         self._reduce()
         self.server.end_step()
-        self.transport.close_session(step)
+        if not closed:
+            self.transport.close_session(step)
         self.step += 1
         if self.timeline.enabled:
             self.timeline.flush()

@@ -18,8 +18,11 @@ memory on a gloo group, whatever the compute device.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
-CLOSE. So no receive is pending while a rank is idle between steps (where it could time out), and
-a step ends only after every peer has said it is done.
+CLOSE. So no receive is pending while a rank is idle between steps (where it could time out). A
+rank does not wait for its peers' CLOSEs when it leaves a step (that wait was a round trip through
+every peer at the end of each step): a receiver whose peer closes late goes straight on into the
+next session, the next step waits for the step before it to be closed everywhere (a stuck peer is
+still an error, one step later), and `shutdown` waits for the last one.
 
 Every failure (a peer gone, a send or receive timing out) is turned into an error stored on the
 transport; every waiter wakes up and raises it, naming the peer.
@@ -32,7 +35,6 @@ import contextlib
 import dataclasses
 import logging
 import pickle
-import queue
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -120,7 +122,13 @@ class Transport:
         self._error_lock = threading.Lock()
         self._error_listeners: List[Callable[[BaseException], None]] = []
         self._session_starts: Dict[int, threading.Semaphore] = {}
-        self._closed_peers: "queue.Queue[int]" = queue.Queue()
+        # Sessions: how many this rank has closed, how many each peer has (its CLOSEs received),
+        # and this rank's CLOSEs of the last one (events set once they have left).
+        self._closed_sessions = 0
+        self._closed_steps: collections.deque = collections.deque([-1, -1], maxlen=2)
+        self._peer_closes: collections.Counter = collections.Counter()
+        self._closes_cond = threading.Condition()
+        self._closes_sent: List[threading.Event] = []
         self._shutdown = False
         self._threads: List[threading.Thread] = []
         # One receive buffer per peer (its receiver thread uses it).
@@ -182,32 +190,49 @@ class Transport:
 
     # ---- sessions ---------------------------------------------------------------------------
     def open_session(self) -> None:
+        """Enter a step. The one before the last must be closed by every peer by now (the last
+        one's CLOSEs, theirs and ours, may still be on their way: see `close_session`)."""
         self.check()
-        while not self._closed_peers.empty():
-            self._closed_peers.get_nowait()
+        self._await_closes(self._closed_sessions - 1, self._closed_steps[0])
         for sem in self._session_starts.values():
             sem.release()
 
-    def close_session(self, step: int) -> None:
-        """Tell every peer we are done with this step; wait until every peer has said the same
-        and our own CLOSEs have left (a rank may exit right after its last step)."""
-        closes = [self._send(peer, Message(CLOSE, step=step), threading.Event())
-                  for peer in self.peers]
-        for done in closes:  # posted to every peer at once, then waited for
-            self._wait_sent(done)
-        waiting = set(self.peers)
-        while waiting:
-            self.check()
-            try:
-                peer = self._closed_peers.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise PipelineError(
-                    f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp ranks "
-                    f"{sorted(waiting)} (global {[self.ranks[p] for p in sorted(waiting)]}) to "
-                    f"finish step {step}: they may have stopped calling the step function"
-                ) from None
-            waiting.discard(peer)
-        self.check()
+    def close_session(self, step: int, last: Optional[Message] = None) -> None:
+        """Tell every peer this rank is done with `step`, without waiting for theirs: a peer's
+        CLOSE ends only this rank's receiving from it, and this rank's work for the step is
+        done. The next `open_session` and `shutdown` wait for them. `last`: a message for every
+        peer that leaves in the same frame, just before the CLOSE (pp_rank 0's STEP_END)."""
+        self._closes_sent = [
+            self._send(peer, ([] if last is None else [last]) + [Message(CLOSE, step=step)],
+                       threading.Event())
+            for peer in self.peers]
+        self._closed_sessions += 1
+        self._closed_steps.append(step)
+
+    def _await_closes(self, sessions: int, step: int) -> None:
+        """Wait until every peer has closed `sessions` sessions (the last of them `step`),
+        bounded by the timeout. A peer that never closes fails the transport."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._closes_cond:
+            while True:
+                self.check()
+                waiting = [p for p in self.peers if self._peer_closes[p] < sessions]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                self._closes_cond.wait(timeout=min(left, 1.0))
+        if waiting:
+            err = PipelineError(
+                f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp ranks {waiting} (global "
+                f"{[self.ranks[p] for p in waiting]}) to finish step {step}: they may have "
+                "stopped calling the step function")
+            self.fail(err)  # (the peers, and this rank's shutdown, wait no longer)
+            raise err
+
+    def _peer_closed(self, peer: int) -> None:
+        with self._closes_cond:
+            self._peer_closes[peer] += 1
+            self._closes_cond.notify_all()
 
     # ---- sending ----------------------------------------------------------------------------
     def send(self, peer: int, msg: Message, wait: bool = False, hold: bool = False) -> None:
@@ -227,16 +252,25 @@ class Transport:
         thread keeps the deadline: a thread that forgets to flush delays, never loses, what it
         held)."""
         if wait or not hold:
-            done = self._send(peer, msg, threading.Event() if wait else None)
+            done = self._send(peer, [msg], threading.Event() if wait else None)
             if done is not None:
                 self._wait_sent(done)
             return
         self.check()
-        self._count(peer, msg)
         held = self._held_peers()
         if held and peer not in held and not getattr(self._holding, "together", False):
             # The calls moved on to another stage: the previous one's have all been issued.
             self.flush()
+        self.send_later(peer, msg)
+        if peer not in held:
+            held.append(peer)
+
+    def send_later(self, peer: int, msg: Message) -> None:
+        """Queue `msg` to leave with the next frame posted to `peer`, by whichever thread, or
+        at the latest `hold_s` from now; unlike `send(hold=True)`, the calling thread's `flush`
+        does not post it (pp_rank 0's last MB_DONE leaves with the step's end)."""
+        self.check()
+        self._count(peer, msg)
         box = self._outbox[peer]
         with box.cond:
             box.items.append((msg, None))
@@ -244,8 +278,6 @@ class Transport:
                 box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
                 if box.wakes_at > box.hold_until:  # (else it wakes in time by itself)
                     box.cond.notify()  # the sender thread keeps the deadline
-        if peer not in held:
-            held.append(peer)
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
@@ -262,14 +294,17 @@ class Transport:
         self.sent_messages[(msg.kind, peer)] += 1
         self.sent_bytes[(msg.kind, peer)] += _nbytes(msg)
 
-    def _send(self, peer: int, msg: Message,
+    def _send(self, peer: int, msgs: List[Message],
               done: Optional[threading.Event]) -> Optional[threading.Event]:
-        """Post `msg` (with what is queued before it); `done` is set once it has left."""
+        """Post `msgs`, in one frame with what is queued before them; `done` is set once they
+        have left."""
         self.check()
-        self._count(peer, msg)
+        for msg in msgs:
+            self._count(peer, msg)
         box = self._outbox[peer]
         with box.cond:
-            box.items.append((msg, done))
+            box.items.extend((msg, None) for msg in msgs[:-1])
+            box.items.append((msgs[-1], done))
         self._post(peer, box)
         return done
 
@@ -465,7 +500,7 @@ class Transport:
                 self.fail(PipelineError(str(last.meta)), tell_peers=True)
                 return _ERROR
             if last is not None:
-                self._closed_peers.put(peer)
+                self._peer_closed(peer)
                 if work is not None:
                     work()
                 return None
@@ -507,6 +542,14 @@ class Transport:
         threads: one still running when the interpreter finalizes (e.g. freeing the tensors of
         its last frame) is killed by pthread_exit while inside torch's C++ code, which aborts
         the process ("terminate called without an active exception") after the script is done."""
+        if self._error is None and self._closed_sessions:
+            # No receive may be left pending at exit: wait for the last step's CLOSEs.
+            try:
+                self._await_closes(self._closed_sessions, self._closed_steps[1])
+                for done in self._closes_sent:  # (and this rank's own have left)
+                    self._wait_sent(done)
+            except PipelineError as e:
+                logger.error("pipeline rank %d at shutdown: %s", self.me, e)
         self._shutdown = True
         for sem in self._session_starts.values():
             sem.release()
