@@ -7,7 +7,8 @@ may run its backward. The body's calls into other ranks' modules are sent withou
 When a microbatch's forward code is over, pp_rank 0 tells every rank (FWD_DONE: they admit new
 microbatches by it), and when its body has returned, that the microbatch is finished (MB_DONE:
 they drop the values they kept for it). The other ranks serve requests until pp_rank 0 sends
-STEP_END with the step's outputs; then every rank closes the step with its peers (transport.py).
+STEP_END with the step's outputs, in one frame with its CLOSE; every rank then closes the step
+with its peers and leaves it without waiting for theirs (transport.py).
 
 Thread roles on pp_rank 0: the caller's thread admits microbatches and waits; one worker per
 microbatch in flight runs the body and the root module's forward, which is glue code and holds no
