@@ -319,12 +319,12 @@ def _sessions(delay, stuck):
     seen, error = [], None
     for step in range(3):
         if me == 0:
+            t0 = time.monotonic()
             try:
                 transport.open_session()
             except PipelineError as e:
                 error = str(e)
                 break
-            t0 = time.monotonic()
             transport.send(1, Message(VALUE, step, 0, meta=step, tensors=[torch.ones(2)]))
             transport.close_session(step, last=Message(VALUE, step, meta=("last", step)))
             seen.append((step, transport._peer_closes[1], time.monotonic() - t0))
