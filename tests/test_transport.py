@@ -1,7 +1,8 @@
 """The pipeline transport on its own (transport.py), 2-3 gloo processes: messages arrive whole and
 in order, receivers that answer each other at the same moment never wait on each other, a send
-never waits for its peer to receive, held messages leave together, and a receiver that is given
-work runs it while another thread goes on receiving."""
+never waits for its peer to receive, held messages leave together, a receiver that is given
+work runs it while another thread goes on receiving, and a rank leaves a step without waiting
+for its peers to close it."""
 
 import threading
 
@@ -19,20 +20,30 @@ def _each(dispatch):
     return frame
 
 
-def _ping_pong(n):
+def _rank_and_group():
+    """Bring this rank's torch.distributed up (one thread); return its rank and a gloo group of
+    all ranks for the transport under test."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     from smshim import _runtime
-    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
     torch.set_num_threads(1)
     _runtime.init_distributed()
-    me = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                           timeout=datetime.timedelta(seconds=20))
+    return dist.get_rank(), group
+
+
+def _ping_pong(n):
+    import torch
+
+    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
+
+    me, group = _rank_and_group()
     other = 1 - me
-    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=20))
     got = {"ping": [], "rally": []}
     done = threading.Event()
 
@@ -80,20 +91,15 @@ def test_messages_arrive_in_order_and_answering_receivers_never_wait_on_each_oth
 
 def _held(hold_s):
     """pp_rank 0's way of sending: messages held to leave together (Transport.send's `hold`)."""
-    import datetime
     import time
 
     import torch
     import torch.distributed as dist
 
-    from smshim import _runtime
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    torch.set_num_threads(1)
-    _runtime.init_distributed()
-    me = dist.get_rank()
+    me, group = _rank_and_group()
     n = dist.get_world_size()
-    group = dist.new_group(list(range(n)), backend="gloo", timeout=datetime.timedelta(seconds=20))
     got, acks = [], []
     cond = threading.Condition()
 
@@ -190,19 +196,13 @@ def test_held_messages_leave_when_the_calls_move_on_to_another_peer():
 
 def _early(delay):
     """Sends to a peer that is not receiving yet (it enters the step `delay` s later)."""
-    import datetime
     import time
 
     import torch
-    import torch.distributed as dist
 
-    from smshim import _runtime
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    torch.set_num_threads(1)
-    _runtime.init_distributed()
-    me = dist.get_rank()
-    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=20))
+    me, group = _rank_and_group()
     got = []
     done = threading.Event()
 
@@ -239,18 +239,11 @@ def _hand_off(n):
     """Rank 0 sends "go", then n values. Rank 1's dispatch of "go" returns work that waits for
     all n values: it must run on the thread that received "go", while another thread receives
     the values."""
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
-    from smshim import _runtime
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    torch.set_num_threads(1)
-    _runtime.init_distributed()
-    me = dist.get_rank()
-    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=20))
+    me, group = _rank_and_group()
     got, seen = [], {}
     cond = threading.Condition()
 
@@ -293,19 +286,13 @@ def _sessions(delay, stuck):
     """Three steps (sessions). Rank 0 ends each with a last message that leaves with its CLOSE,
     and goes on without waiting for rank 1's CLOSE; rank 1 closes step 1 `delay` s late (with
     `stuck`, it never closes step 0 and rank 0's transport times out after 2 s)."""
-    import datetime
     import time
 
     import torch
-    import torch.distributed as dist
 
-    from smshim import _runtime
     from smshim.modelparallel.torch.transport import VALUE, Message, PipelineError, Transport
 
-    torch.set_num_threads(1)
-    _runtime.init_distributed()
-    me = dist.get_rank()
-    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=30))
+    me, group = _rank_and_group()
     got = []
     cond = threading.Condition()
 
