@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from smshim._runtime import free_port
+from smshim._runtime import free_port, teardown
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -66,11 +66,11 @@ def _child(fn: Callable, args: tuple, rank: int, env: Dict[str, str], results) -
         results.join_thread()
         os._exit(1)
     finally:
+        # As at a script's exit (this process leaves by os._exit, without atexit handlers): smp
+        # first waits for its peers to have received its last step's messages, then the process
+        # groups go. Destroyed at once, a group drops a frame still on its way to a peer.
         try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            teardown()
         except Exception:  # noqa: BLE001
             pass
 

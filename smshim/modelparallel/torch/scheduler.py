@@ -143,6 +143,11 @@ class ComputeLock:
         self._local = threading.local()
         self._reserved: Optional[tuple] = None
         self._reserved_until = 0.0
+        # Called (outside the lock's mutex) by a thread about to wait for the lock at a priority,
+        # and once it has it: the module server's run queue passes its role on if queued work
+        # goes first (RunQueue.wait_at, waited).
+        self.on_wait: Optional[Callable[[Tuple[int, int]], None]] = None
+        self.on_waited: Optional[Callable[[], None]] = None
 
     def _next(self):
         """(under the mutex) The waiter that may take the lock now, and how long to wait
@@ -211,6 +216,7 @@ class ComputeLock:
                 event = self._local.event = threading.Event()
             entry = (priority, seq, me, key, event)
             heapq.heappush(self._waiters, entry)
+            told = False
             while True:
                 nxt, left = self._next()
                 if self._held_by is None and nxt is entry:
@@ -221,6 +227,9 @@ class ComputeLock:
                 event.clear()
                 self._mutex.release()
                 try:
+                    if not told and self.on_wait is not None:
+                        told = True
+                        self.on_wait(priority)
                     event.wait(timeout=timeout)
                 finally:
                     self._mutex.acquire()
@@ -228,6 +237,8 @@ class ComputeLock:
             heapq.heapify(self._waiters)
             self._held_by = me
             self._reserved = None
+        if told and self.on_waited is not None:
+            self.on_waited()
         self._local.priority = priority
         self._local.key = key
 

@@ -31,12 +31,14 @@ Each rank runs one module forward or backward at a time (the ComputeLock, by sch
 a request first waits (without the lock) for its inputs, and a thread gives the lock up while it
 waits on the network, so nested calls and several microbatches in flight never deadlock. Under
 `interleaved`, a rank other than 0 starts the forward of a new microbatch only while it holds
-fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order. A request made
-ready by the one a thread is serving (the next module of the chain) runs next on that thread (no
-pool hand-off between a stage's modules), and results for other ranks are sent (small ones) or
-queued before the lock is given up. On pp_rank 0 the next microbatch's turn at its own modules
-comes as soon as this one has run as many of them as a microbatch does, not when its glue code
-(which sends the calls to the other stages) is over.
+fewer than the schedule's limit (1F1B's p - r), taking new microbatches in order. Requests whose
+inputs are here wait in a run queue (run_queue.py) that one thread at a time runs in priority
+order: the next request, of this microbatch or the next one, starts on the thread that finished
+the last (no hand-off between threads), and keeps its place in the compute lock meanwhile; a
+forward the schedule does not admit yet stays queued until it is. Results for other ranks are
+sent (small ones) or queued before the lock is given up. On pp_rank 0 the next microbatch's turn
+at its own modules comes as soon as this one has run as many of them as a microbatch does, not
+when its glue code (which sends the calls to the other stages) is over.
 Each rank's linear layers keep what their weight gradients need and a thread computes them when
 nothing else waits for the compute lock (weight_grad.py: off the critical path, in the
 pipeline's bubbles); the step's end computes what is left and hands them over as `.grad` before
@@ -64,6 +66,7 @@ import torch.nn as nn
 
 from . import autocast_state, weight_grad
 from .remote_tensor import RemoteTensor, _Cell
+from .run_queue import RunQueue
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
 from .structure import fill, flatten
 from .timeline import Timeline
@@ -91,7 +94,8 @@ class _Context(threading.local):
 
 
 ctx = _Context()
-_serving = threading.local()  # .chain: requests made ready on this thread (see _ready)
+# .here: this thread may take the run queue's role (it dispatches a frame, or serves a request)
+_serving = threading.local()
 
 
 # ---- caller side ---------------------------------------------------------------------------
@@ -165,6 +169,8 @@ class ModuleServer:
         self.peak_live_microbatches = 0
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix=f"smp-serve-{pp_rank}",
                                         initializer=adopt_intra_op_threads)
+        self._runq = RunQueue(self._serve, self._pool.submit, self._may_start)
+        lock.on_wait, lock.on_waited = self._runq.wait_at, self._runq.waited
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
@@ -272,17 +278,16 @@ class ModuleServer:
 
     # Messages (on a transport receiver thread: never waits; a send returns at once) -------
     def dispatch(self, msgs: List[Message]) -> Optional[Callable[[], None]]:
-        """A frame's messages. Returns the serving of a request they made ready, for this
-        thread to run once another has taken over receiving (Transport._recv_session); any other
-        request they made ready goes to the pool."""
-        _serving.chain = ready = []
+        """A frame's messages. If they made a request ready while no thread ran the run queue,
+        returns the queue's running, for this thread to do once another has taken over
+        receiving (Transport._recv_session)."""
+        _serving.here = True
         try:
             for msg in msgs:
                 self._dispatch(msg)
         finally:
-            _serving.chain = None
-        first = self._run_first_here(ready)
-        return None if first is None else lambda: self._serve_chain(first)
+            _serving.here = False
+        return self._runq.drain if self._runq.is_runner() else None
 
     def _dispatch(self, msg: Message) -> None:
         kind = msg.kind
@@ -327,11 +332,13 @@ class ModuleServer:
                 self._fwd_done.add(msg.microbatch)
                 self._release_if_done(msg.microbatch)
                 self._cond.notify_all()
+            self._runq.poke(here=True)  # (a queued forward may now be admitted)
         elif kind == MB_DONE:
             with self._cond:
                 self._mb_done.add(msg.microbatch)
                 self._fwd_done.add(msg.microbatch)
                 self._drop_if_done(msg.microbatch)
+            self._runq.poke(here=True)
         elif kind == STEP_END:
             self.step_end.put(msg)
         else:
@@ -360,6 +367,7 @@ class ModuleServer:
     def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
         self.transport.flush()  # what this thread held may be what the reply waits for
+        self._runq.step_down()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
                 msg = box.get(timeout=self.timeout_s)
@@ -383,6 +391,7 @@ class ModuleServer:
         if value is not None:
             return value
         self.transport.flush()
+        self._runq.step_down()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:
                 return self.store.get(key, lambda: (
@@ -601,46 +610,23 @@ class ModuleServer:
 
     # Owner side ----------------------------------------------------------------------------
     def _ready(self, msg: Message) -> None:
-        """A request's inputs are all here. Made ready by a request served on this thread (its
-        output is the next module's input): run it on this thread next, as a stream runs its next
-        kernel; waking a pool thread costs milliseconds when the cores are busy. Made ready by a
-        frame a receiver thread dispatches: that thread runs it (see `dispatch`). Else on a pool
-        thread."""
-        chain = getattr(_serving, "chain", None)
-        if chain is not None:
-            chain.append(msg)
-        else:
-            self._pool.submit(self._serve_chain, msg)
+        """A request's inputs are all here: into the run queue. If no thread runs it, this one
+        will when it can (it dispatches a frame, or serves a request: see RunQueue.put); else a
+        pool thread."""
+        if self.timeline.enabled:
+            self.timeline.instant(f"ready {msg.kind} {msg.module}", "ready",
+                                  microbatch=msg.microbatch, step=msg.step)
+        self._runq.put(self._request_priority(msg), msg, here=getattr(_serving, "here", False))
 
-    def _serve_chain(self, msg: Message) -> None:
-        _serving.chain = chain = []
-        try:
-            while msg is not None:
-                self._serve(msg)
-                msg = self._run_first_here(chain)
-        finally:
-            _serving.chain = None
-
-    def _run_first_here(self, ready: List[Message]) -> Optional[Message]:
-        """Of the requests made ready on this thread (emptied), the first, for this thread to
-        run; the others run in parallel on pool threads. Under a strict order, the first in the
-        schedule's order, and they all keep their places in the compute lock's queue at once:
-        whichever thread gets there first, they compute in that order (a frame from pp_rank 0
-        may carry several microbatches' backward requests)."""
-        if not ready:
-            return None
-        if len(ready) > 1 and self.schedule is not None and self.schedule.strict_order:
-            ready.sort(key=self._request_priority)
-            if not self.deterministic:  # (there, tickets set the order: see _serve_backward)
-                for msg in ready:
-                    if getattr(msg, "place", None) is None:
-                        msg.place = self.lock.keep_place(self._request_priority(msg),
-                                                         self._request_key(msg))
-        first, others = ready[0], ready[1:]
-        ready.clear()
-        for other in others:
-            self._pool.submit(self._serve_chain, other)
-        return first
+    def _hold_place_for_next(self) -> None:
+        """(The runner, holding the compute lock.) The request it runs next keeps its place in
+        the lock's queue from now: work of a larger priority (the weight gradients' thread, a
+        request back from a wait) does not take the lock in between."""
+        if not self._runq.is_runner():
+            return
+        nxt = self._runq.peek()
+        if nxt is not None and getattr(nxt, "place", None) is None:
+            nxt.place = self.lock.keep_place(self._request_priority(nxt), self._request_key(nxt))
 
     def _request_key(self, msg: Message) -> tuple:
         return (FORWARD if msg.kind == FWD_REQ else BACKWARD, msg.microbatch)
@@ -649,10 +635,9 @@ class ModuleServer:
         return self._priority(*self._request_key(msg))
 
     def _serve(self, msg: Message) -> None:
+        """(On the run queue's thread.)"""
+        _serving.here = True
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
-        if self.timeline.enabled:  # when a request got its thread (its inputs were all here)
-            self.timeline.instant(f"serve {msg.kind} {msg.module}", "serve",
-                                  microbatch=msg.microbatch, step=msg.step)
         from .state import state
 
         state.microbatch = msg.microbatch
@@ -678,6 +663,8 @@ class ModuleServer:
                     self._release_if_done(msg.microbatch)
                 self._drop_if_done(msg.microbatch)
                 self._cond.notify_all()
+            self._runq.poke(here=True)  # (this thread runs the queue next)
+            _serving.here = False
 
     def _what(self, msg: Message, direction: str) -> str:
         return (f"{direction} of module '{msg.module}' (microbatch {msg.microbatch}, "
@@ -725,6 +712,7 @@ class ModuleServer:
         if self.deterministic:
             with self._cond:
                 while self._turn != msg.ticket:
+                    self._runq.step_down()
                     self._cond.wait(timeout=1.0)
                     self.transport.check()
 
@@ -789,6 +777,7 @@ class ModuleServer:
                     self.peak_live_microbatches = max(self.peak_live_microbatches, live)
             if deliver is not None:
                 deliver(out_template, outs, out_rg)
+            self._hold_place_for_next()
         return out_template, outs, out_rg
 
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
@@ -817,6 +806,8 @@ class ModuleServer:
                             if t.requires_grad else None for t in inputs]
                 if deliver is not None:
                     deliver(in_grads)
+                if pairs:
+                    self._hold_place_for_next()
         finally:
             with self._cond:
                 self._backwards_running -= 1
@@ -825,6 +816,8 @@ class ModuleServer:
                 self._cond.notify_all()
                 done = (not self._saved and self._backwards_running == 0
                         and len(self._forward_microbatches) >= self._expected_microbatches)
+            # A queued forward may now be admitted: a thread serving requests runs it next.
+            self._runq.poke(here=getattr(_serving, "here", False))
         if done:
             self.weight_grads.flush()
             if self.on_local_backward_done is not None:
@@ -928,13 +921,12 @@ class ModuleServer:
         """Hold back the first forward of a new microbatch while this rank holds as many as the
         schedule allows. New microbatches are taken in order (a lower one first, unless its
         forward is over and none of its forward requests came here), so no microbatch can be
-        overtaken by one that then waits for it."""
-        limit = self.schedule.limit(self.me) if self.schedule else 1 << 30
+        overtaken by one that then waits for it. (The run queue starts no forward that would
+        wait here; a thread that took one before another was admitted waits.)"""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while mb not in self._admitted and not (len(self._live) < limit and all(
-                    j in self._admitted or (j in self._fwd_done and self._forwards[j] <= 0)
-                    for j in range(mb))):
+            while not self._admissible_locked(mb):
+                self._runq.step_down()  # (what it waits for may be queued behind it)
                 self.transport.check()
                 if time.monotonic() > deadline:
                     raise PipelineError(
@@ -947,6 +939,23 @@ class ModuleServer:
             if mb not in self._admitted:
                 self._admitted.add(mb)
                 self._live.add(mb)
+
+    def _admissible_locked(self, mb: int) -> bool:
+        """(Under _cond.) May microbatch `mb`'s forward start here now (see `_admit`)?"""
+        if mb in self._admitted:
+            return True
+        limit = self.schedule.limit(self.me) if self.schedule else 1 << 30
+        return len(self._live) < limit and all(
+            j in self._admitted or (j in self._fwd_done and self._forwards[j] <= 0)
+            for j in range(mb))
+
+    def _may_start(self, msg: Message) -> bool:
+        """May the run queue start this request now? Not the forward of a microbatch the
+        schedule does not admit yet: it stays queued (no thread waits in `_admit` for it)."""
+        if msg.kind != FWD_REQ or msg.src != 0:
+            return True
+        with self._cond:
+            return self._admissible_locked(msg.microbatch)
 
     def _release_if_done(self, mb: int) -> None:
         # (under self._cond) A microbatch stops counting against the limit once its forward is
