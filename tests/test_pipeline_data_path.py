@@ -384,13 +384,36 @@ class Loop(nn.Module):
         return F.cross_entropy(self.head(x), y)
 
 
-def _loop_frames(m, steps):
+class LossHead(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.proj(x), y)
+
+
+class LossLoop(Loop):
+    """The same, with the loss computed inside the head (on the last stage): pp_rank 0's glue
+    reads no value, so nothing waits for a round trip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = LossHead()
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, y)
+
+
+def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
     import smdistributed.modelparallel.torch as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "auto_partition": False,
-              "default_partition": 0})
+              "default_partition": 0, "pipeline": pipeline, "active_microbatches": m})
     torch.manual_seed(0)
-    module = Loop()
+    module = cls()
     model = smp.DistributedModel(module)
     for block in module.blocks[2:]:
         smp.set_partition(block, 1)
@@ -398,24 +421,45 @@ def _loop_frames(m, steps):
     train_step = _loss_step()
 
     g = torch.Generator().manual_seed(5)
+    counts = []  # per step after the first (which waits for output shapes): messages, frames
     for i in range(steps):
-        if i == steps - 1:  # the last step only (the first one waits for output shapes)
+        if i:
             transport = model._pipeline.transport
             messages, frames = dict(transport.sent_messages), dict(transport.sent_frames)
         train_step(model, torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g))
-    return ({key: n - messages.get(key, 0) for key, n in transport.sent_messages.items()},
-            {peer: n - frames.get(peer, 0) for peer, n in transport.sent_frames.items()})
+        if i:
+            counts.append((
+                {key: n - messages.get(key, 0) for key, n in transport.sent_messages.items()},
+                {peer: n - frames.get(peer, 0) for peer, n in transport.sent_frames.items()}))
+    return counts
 
 
 def test_a_stages_calls_of_one_microbatch_leave_together():
     m = 4
-    messages, frames = run_ranks(_loop_frames, 2, m, 3, timeout=180)[0]
+    messages, frames = run_ranks(_loop_frames, 2, m, 3, timeout=180)[0][-1]
     # Per microbatch: 5 forward and 5 backward requests (blocks 2-5, head), fetching the loss,
     # saying the microbatch is done; one frame for the forward calls, one for the backward ones,
     # one for the fetch (the microbatch-done notice rides along with a later frame, or leaves
     # on its own at the deadline). Sent one frame each, they were 12.
     assert messages[("fwd_req", 1)] == messages[("bwd_req", 1)] == 5 * m, messages
     assert frames[1] <= 4 * m + 2, (frames, messages)
+
+
+def test_a_microbatch_that_reads_no_value_costs_pp_rank_0_one_frame_to_the_next_stage():
+    # The loss is computed on the last stage. Under `interleaved` (no wait between a
+    # microbatch's forward code and its backward) its forward calls, the loss's fetch and its
+    # backward calls leave in one frame, and the microbatch-done notice rides along with the
+    # next one: m frames and the step's end, where they were 3 per microbatch. Under `simple`
+    # the forward calls leave before the body waits for every forward to be over.
+    m = 4
+    for pipeline, most in (("interleaved", m + 1), ("simple", 2 * m + 1)):
+        counts = run_ranks(_loop_frames, 2, m, 4, LossLoop, pipeline, timeout=180)[0]
+        for messages, _ in counts:
+            assert messages[("fwd_req", 1)] == messages[("bwd_req", 1)] == 5 * m, messages
+            assert messages[("mb_done", 1)] == m, messages
+        # (The fewest over three steps: on a loaded machine a held message can reach its
+        # deadline, `Transport.hold_s`, and leave on its own.)
+        assert min(frames[1] for _, frames in counts) <= most, (pipeline, counts)
 
 
 def _read_loss_after_backward(steps):

@@ -10,7 +10,8 @@ they drop the values they kept for it). The other ranks serve requests until pp_
 STEP_END with the step's outputs, in one frame with its CLOSE; every rank then closes the step
 with its peers and leaves it without waiting for theirs (transport.py).
 
-Thread roles on pp_rank 0: the caller's thread admits microbatches and waits; one worker per
+Thread roles on pp_rank 0: the caller's thread starts the first microbatches and waits for the
+step's end (a body whose backward makes room for another microbatch starts it); one worker per
 microbatch in flight runs the body and the root module's forward, which is glue code and holds no
 lock; the root's children run as regions under the compute lock (server.py), like requests;
 transport threads move messages; server threads answer peers' calls into rank 0's modules.
@@ -81,7 +82,7 @@ class Pipeline:
             # pp_rank 0 also computes in the root's glue code, outside any region: it reduces at
             # the end of the step.
             self.server.on_local_backward_done = self._on_local_backward_done
-        # The caller's thread waits on _cond (to admit microbatches); bodies wait at the gate for
+        # The caller's thread waits on _cond (for the step's end); bodies wait at the gate for
         # their backward's permission, woken only when it may have come: with every body
         # notified of every change, m bodies waiting cost m thread switches per change.
         lock = threading.Lock()
@@ -89,13 +90,13 @@ class Pipeline:
         self._backward_gate = threading.Condition(lock)
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
-        # pp_rank 0's step in progress, guarded by _cond: microbatches started, finishing
-        # (their results being fetched) and finished (body over), the bodies' errors; see
-        # _caller_may_act.
-        self._started = self._finished = self._finishing = 0
+        # pp_rank 0's step in progress, guarded by _cond: microbatches started and finished
+        # (body over), the bodies' errors; see _caller_may_act.
+        self._started = self._finished = 0
         self._errors: List[Tuple[int, BaseException]] = []
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
         self._bodies = Workers(f"smp-body-{pp_rank}")
+        self._job: Optional[Callable[[int], None]] = None  # runs one microbatch's body
 
     def _wake(self) -> None:
         with self._cond:
@@ -103,11 +104,30 @@ class Pipeline:
             self._backward_gate.notify_all()
 
     def _caller_may_act(self) -> bool:
-        """(Under _cond.) Has the caller's thread something to do: a microbatch to admit, the
-        step over, a body failed? It is notified only then: under `simple` it admits every
-        microbatch up front and waited through 2m notifications for the last one."""
-        return (self._finished >= self._schedule.microbatches or bool(self._errors)
-                or self._schedule.may_start_forward(self._started, len(self._backward_finished)))
+        """(Under _cond.) Has the caller's thread something to do: the step over, a body
+        failed? It is notified only then: under `simple` it waited through 2m notifications for
+        the last one."""
+        return self._finished >= self._schedule.microbatches or bool(self._errors)
+
+    def _start_admitted_locked(self) -> None:
+        """(Under _cond.) Start the body of every microbatch the schedule admits now. The
+        thread whose backward made room does it: through the caller's thread, each start
+        cost one more thread wake (0.3-2.8 ms on a busy core) between a backward and the next
+        forward on rank 0, 1F1B's critical path."""
+        while self._job is not None and not self._errors and self._schedule.may_start_forward(
+                self._started, len(self._backward_finished)):
+            self._bodies.run(self._job, self._started)
+            self._started += 1
+
+    def _backward_over_locked(self, mb: int) -> None:
+        """(Under _cond.) Microbatch `mb`'s backward here is over (or it will have none): it no
+        longer counts against rank 0's limit."""
+        self._backward_finished.add(mb)
+        self._start_admitted_locked()
+        if self._caller_may_act():
+            self._cond.notify_all()
+        if self.deterministic:
+            self._backward_gate.notify_all()
 
     # ---- pp_rank 0 ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
@@ -118,7 +138,7 @@ class Pipeline:
         self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
-        self._started = self._finished = self._finishing = 0
+        self._started = self._finished = 0
         self._errors = errors = []
         self.server.begin_step(m, schedule, self.step)
         self.transport.open_session()
@@ -139,10 +159,7 @@ class Pipeline:
                 with torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                     out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
-                with self._cond:
-                    self._finishing += 1
-                    last = self._finishing == m
-                results[mb] = self.server.finish_microbatch(mb, out, last)  # values, everywhere
+                results[mb] = self.server.finish_microbatch(mb, out)  # values, everywhere
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(
@@ -154,11 +171,7 @@ class Pipeline:
                 self.server.turn_done(BACKWARD, mb)
                 with self._cond:
                     self._finished += 1
-                    self._backward_finished.add(mb)
-                    if self._caller_may_act():
-                        self._cond.notify_all()
-                    if self.deterministic:
-                        self._backward_gate.notify_all()
+                    self._backward_over_locked(mb)
 
         def job(mb: int) -> None:
             try:
@@ -168,13 +181,14 @@ class Pipeline:
 
         returned = [threading.Event() for _ in range(m)]
         with self._cond:
+            # A microbatch stops counting against rank 0's limit when its backward here is done
+            # (its activations are gone), not when its body has fetched its results; the body
+            # that made room starts the next one (_backward_over_locked).
+            self._job = job
+            self._start_admitted_locked()
             while self._finished < m and not errors and self.transport.error is None:
-                # A microbatch stops counting against rank 0's limit when its backward here is
-                # done (its activations are gone), not when its body has fetched its results.
-                while schedule.may_start_forward(self._started, len(self._backward_finished)):
-                    self._bodies.run(job, self._started)
-                    self._started += 1
                 self._cond.wait(timeout=1.0)
+            self._job = None
         started = returned[:self._started]
         if errors or self.transport.error is not None:
             for done in started:
@@ -200,10 +214,19 @@ class Pipeline:
         deadline = time.monotonic() + self.timeout_s
         self._mark_forward_done(mb)
         self.server.prefetch(tensors)
-        self.transport.flush()  # the forward's calls leave before this thread waits
+
+        def may_start() -> bool:
+            return schedule.may_start_backward(self._forwards_done) and not (
+                self.deterministic and not self._backward_finished.issuperset(range(mb)))
+
         with self._backward_gate:
-            while not schedule.may_start_backward(self._forwards_done) or (
-                    self.deterministic and not self._backward_finished.issuperset(range(mb))):
+            waits = schedule.backwards_begin_in_order or not may_start()
+        if waits:
+            # The forward's calls leave before this thread waits. (If it need not wait, they
+            # leave with the backward's requests that follow at once: one frame, not two.)
+            self.transport.flush()
+        with self._backward_gate:
+            while not may_start():
                 self.transport.check()
                 if time.monotonic() > deadline:
                     raise PipelineError(
@@ -220,11 +243,7 @@ class Pipeline:
         self.transport.flush()
         self.server.turn_done(BACKWARD, mb)
         with self._cond:
-            self._backward_finished.add(mb)
-            if self._caller_may_act():
-                self._cond.notify_all()
-            if self.deterministic:
-                self._backward_gate.notify_all()
+            self._backward_over_locked(mb)
 
     def _mark_forward_done(self, mb: int) -> None:
         """The microbatch's forward code is over (it called model.backward, or returned)."""

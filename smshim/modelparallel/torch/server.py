@@ -1023,24 +1023,22 @@ class ModuleServer:
         self.store.clear()
         self._step = -1  # handles kept past the step now say so instead of waiting
 
-    def finish_microbatch(self, mb: int, out: Any, last: bool = False) -> Any:
+    def finish_microbatch(self, mb: int, out: Any) -> Any:
         """pp_rank 0: microbatch `mb`'s body returned `out`; returns it with every handle
         replaced by its value (every rank gets the step's results), and tells the peers that the
         microbatch is over, so its values can go, there and here. The fetches and the notice
         leave together: a peer answers a fetch before it sees the notice that follows it, and
-        drops nothing that a request still running there will make. `last`: no other microbatch
-        is left to finish; a notice that need not go with a fetch leaves with the step's end
-        (one frame per peer instead of two, at the step's end)."""
+        drops nothing that a request still running there will make. A notice that need not go
+        with a fetch leaves with the next frame to its peer (the next microbatch's requests, or
+        the step's end), or `Transport.hold_s` later: it only lets the peer free memory, and a
+        frame of its own cost both ranks' CPU once per microbatch."""
         template, tensors = flatten(out)
         handles = [t for t in tensors if isinstance(t, RemoteTensor)]
         with self.transport.together():
             for t in handles:
                 self._ask(t._cell, hold=True)
             for peer in self.transport.peers:
-                if last:
-                    self.transport.send_later(peer, Message(MB_DONE, ctx.step, mb))
-                else:
-                    self.transport.send(peer, Message(MB_DONE, ctx.step, mb), hold=True)
+                self.transport.send_later(peer, Message(MB_DONE, ctx.step, mb))
         if handles:
             out = fill(template, [self._real(t) for t in tensors])
         self.store.drop_microbatch(mb)
