@@ -449,16 +449,17 @@ def test_a_microbatch_that_reads_no_value_costs_pp_rank_0_one_frame_to_the_next_
     # The loss is computed on the last stage. Under `interleaved` (no wait between a
     # microbatch's forward code and its backward) its forward calls, the loss's fetch and its
     # backward calls leave in one frame, and the microbatch-done notice rides along with the
-    # next one: m frames and the step's end, where they were 3 per microbatch. Under `simple`
-    # the forward calls leave before the body waits for every forward to be over.
+    # next one: m frames and the step's end, where they were 3 per microbatch (11-12 in all).
+    # Under `simple` the forward calls leave before the body waits for every forward to be over
+    # (6-9 frames, where they were 12). On a loaded machine a notice can reach its deadline
+    # (`Transport.hold_s`) before the next frame goes and leave on its own: the bounds allow two.
     m = 4
-    for pipeline, most in (("interleaved", m + 1), ("simple", 2 * m + 1)):
+    for pipeline, most in (("interleaved", m + 3), ("simple", 2 * m + 3)):
         counts = run_ranks(_loop_frames, 2, m, 4, LossLoop, pipeline, timeout=180)[0]
         for messages, _ in counts:
             assert messages[("fwd_req", 1)] == messages[("bwd_req", 1)] == 5 * m, messages
             assert messages[("mb_done", 1)] == m, messages
-        # (The fewest over three steps: on a loaded machine a held message can reach its
-        # deadline, `Transport.hold_s`, and leave on its own.)
+        # (The fewest over three steps.)
         assert min(frames[1] for _, frames in counts) <= most, (pipeline, counts)
 
 
