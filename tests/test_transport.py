@@ -1,8 +1,9 @@
 """The pipeline transport on its own (transport.py), 2-3 gloo processes: messages arrive whole and
 in order, receivers that answer each other at the same moment never wait on each other, a send
 never waits for its peer to receive, held messages leave together, a receiver that is given
-work runs it while another thread goes on receiving, and a rank leaves a step without waiting
-for its peers to close it."""
+work runs it while another thread goes on receiving, a rank leaves a step without waiting
+for its peers to close it, frames travel each direction on a group of their own, and a failure
+notice reaches peers whose global ranks are not their pp ranks."""
 
 import threading
 
@@ -20,9 +21,9 @@ def _each(dispatch):
     return frame
 
 
-def _rank_and_group():
-    """Bring this rank's torch.distributed up (one thread); return its rank and a gloo group of
-    all ranks for the transport under test."""
+def _rank_and_group(members=None):
+    """Bring this rank's torch.distributed up (one thread); return its rank and the transport's
+    two gloo groups (one per direction) of `members` (default: all ranks)."""
     import datetime
 
     import torch
@@ -32,9 +33,10 @@ def _rank_and_group():
 
     torch.set_num_threads(1)
     _runtime.init_distributed()
-    group = dist.new_group(list(range(dist.get_world_size())), backend="gloo",
-                           timeout=datetime.timedelta(seconds=20))
-    return dist.get_rank(), group
+    members = list(range(dist.get_world_size())) if members is None else members
+    groups = tuple(dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=20))
+                   for _ in range(2))
+    return dist.get_rank(), groups
 
 
 def _ping_pong(n):
@@ -42,7 +44,7 @@ def _ping_pong(n):
 
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    me, group = _rank_and_group()
+    me, groups = _rank_and_group()
     other = 1 - me
     got = {"ping": [], "rally": []}
     done = threading.Event()
@@ -58,7 +60,7 @@ def _ping_pong(n):
         if len(got["ping"]) == n and len(got["rally"]) == n + 1:
             done.set()
 
-    transport = Transport([0, 1], me, group, _each(dispatch), 30.0, torch.device("cpu"))
+    transport = Transport([0, 1], me, groups, _each(dispatch), 30.0, torch.device("cpu"))
     transport.open_session()
     transport.send(other, Message(VALUE, 0, 0, meta=("rally", me, 0), tensors=[torch.zeros(4)]))
     for i in range(n):
@@ -98,7 +100,7 @@ def _held(hold_s):
 
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    me, group = _rank_and_group()
+    me, groups = _rank_and_group()
     n = dist.get_world_size()
     got, acks = [], []
     cond = threading.Condition()
@@ -115,7 +117,7 @@ def _held(hold_s):
     def msg(tag, i):
         return Message(VALUE, 0, i, meta=(tag, i), tensors=[torch.full((3,), float(i))])
 
-    transport = Transport(list(range(n)), me, group, _each(dispatch), 30.0, torch.device("cpu"),
+    transport = Transport(list(range(n)), me, groups, _each(dispatch), 30.0, torch.device("cpu"),
                           hold_s=hold_s)
     transport.open_session()
     frames = []
@@ -202,7 +204,7 @@ def _early(delay):
 
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    me, group = _rank_and_group()
+    me, groups = _rank_and_group()
     got = []
     done = threading.Event()
 
@@ -211,7 +213,7 @@ def _early(delay):
         if len(got) == 4:
             done.set()
 
-    transport = Transport([0, 1], me, group, _each(dispatch), 30.0, torch.device("cpu"))
+    transport = Transport([0, 1], me, groups, _each(dispatch), 30.0, torch.device("cpu"))
     took = 0.0
     if me == 0:
         transport.open_session()
@@ -243,7 +245,7 @@ def _hand_off(n):
 
     from smshim.modelparallel.torch.transport import VALUE, Message, Transport
 
-    me, group = _rank_and_group()
+    me, groups = _rank_and_group()
     got, seen = [], {}
     cond = threading.Condition()
 
@@ -264,7 +266,7 @@ def _hand_off(n):
                     cond.notify_all()
         return todo
 
-    transport = Transport([0, 1], me, group, dispatch, 30.0, torch.device("cpu"))
+    transport = Transport([0, 1], me, groups, dispatch, 30.0, torch.device("cpu"))
     transport.open_session()
     if me == 0:
         transport.send(1, Message(VALUE, 0, 0, meta="go"), wait=True)
@@ -292,7 +294,7 @@ def _sessions(delay, stuck):
 
     from smshim.modelparallel.torch.transport import VALUE, Message, PipelineError, Transport
 
-    me, group = _rank_and_group()
+    me, groups = _rank_and_group()
     got = []
     cond = threading.Condition()
 
@@ -301,7 +303,7 @@ def _sessions(delay, stuck):
             got.append(msg.meta)
             cond.notify_all()
 
-    transport = Transport([0, 1], me, group, _each(dispatch), 2.0 if stuck else 30.0,
+    transport = Transport([0, 1], me, groups, _each(dispatch), 2.0 if stuck else 30.0,
                           torch.device("cpu"))
     seen, error = [], None
     for step in range(3):
@@ -354,3 +356,93 @@ def test_a_peer_that_never_closes_a_step_is_an_error_one_step_later():
     assert [s[0] for s in seen[:2]] == [0, 1], seen  # steps 0 and 1 went on
     assert error is not None and "waited 2 s for pp ranks [1]" in error, error
     assert "to finish step 0" in error, error
+
+
+class _Recording:
+    """A process group's send / recv, noting (call, peer) in `log` under `name`."""
+
+    def __init__(self, group, name, log):
+        self._group, self._name, self._log = group, name, log
+
+    def send(self, tensors, dst, tag):
+        self._log.append((self._name, "send", dst))
+        return self._group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        self._log.append((self._name, "recv", src))
+        return self._group.recv(tensors, src, tag)
+
+
+def _directions():
+    """Three ranks; each sends one value to each other one."""
+    import torch
+
+    from smshim.modelparallel.torch.transport import VALUE, Message, Transport
+
+    me, groups = _rank_and_group()
+    got, cond, log = [], threading.Condition(), []
+
+    def dispatch(msg):
+        with cond:
+            got.append((msg.src, msg.meta))
+            cond.notify_all()
+
+    transport = Transport([0, 1, 2], me, groups, _each(dispatch), 30.0, torch.device("cpu"))
+    # (The receivers only touch the groups once a session opens.)
+    transport._groups = (_Recording(groups[0], "up", log), _Recording(groups[1], "down", log))
+    transport.open_session()
+    for peer in transport.peers:
+        transport.send(peer, Message(VALUE, 0, 0, meta=me, tensors=[torch.ones(2)]))
+    with cond:
+        assert cond.wait_for(lambda: len(got) == 2, timeout=30), got
+    transport.close_session(0)
+    transport.shutdown()
+    return sorted(got), sorted(set(log))
+
+
+def test_frames_to_a_higher_rank_and_to_a_lower_rank_travel_on_groups_of_their_own():
+    """When two ranks post frames to each other at the same moment on one gloo connection (1F1B
+    does once per microbatch), gloo stalls one or both for 4-7 ms now and then
+    (`benchmarks/gloo_latency.py --both-ways`); on a group per direction it does not."""
+    for me, (got, log) in enumerate(run_ranks(_directions, 3, timeout=120)):
+        peers = [p for p in range(3) if p != me]
+        assert got == [(p, p) for p in peers]
+        want = {("up" if p > me else "down", "send", p) for p in peers}
+        want |= {("up" if p < me else "down", "recv", p) for p in peers}
+        assert log == sorted(want), (me, log)
+
+
+def _failure_notice():
+    """A world of 3 where the pipeline is global ranks 1 and 2 (pp ranks 0 and 1): pp rank 0
+    fails; pp rank 1 must hear of it from the notice, long before its own timeout."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from smshim.modelparallel.torch.transport import PipelineError, Transport
+
+    me, groups = _rank_and_group([1, 2])
+    if me == 0:
+        dist.barrier()
+        return None
+    pp = me - 1
+    transport = Transport([1, 2], pp, groups, _each(lambda msg: None), 60.0, torch.device("cpu"))
+    transport.open_session()
+    t0 = time.monotonic()
+    if pp == 0:
+        transport.fail(PipelineError("stage 0 broke"))
+        time.sleep(1.0)  # (the notice leaves from a thread of its own)
+    else:
+        while transport.error is None and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+    error = None if transport.error is None else str(transport.error)
+    transport.shutdown(join_timeout_s=1.0)
+    dist.barrier()
+    return error, time.monotonic() - t0
+
+
+def test_a_failure_notice_reaches_a_peer_whose_global_rank_is_not_its_pp_rank():
+    _, _, (error, _) = run_ranks(_failure_notice, 3, timeout=120)
+    assert error is not None and "stage 0 broke" in error, error
+    assert "pp rank 0 (global rank 1) failed" in error, error

@@ -95,15 +95,16 @@ class DistributedModel(nn.Module):
         self._pp_rank = topo.pp_rank
         self._device = _runtime.device()
         self._timeline = _timeline_from_env(topo.rank)
-        self._group = None
+        self._groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         if self._pp_size > 1:
-            # A gloo group for pipeline messages only (nothing else's tags on it; gloo because
-            # the transport stages tensors through CPU memory). Every rank creates every PP
-            # group's, in the same order.
+            # Gloo groups for pipeline messages only (nothing else's tags on them; gloo because
+            # the transport stages tensors through CPU memory), one per direction (see
+            # transport.py). Every rank creates every PP group's, in the same order.
             for ranks in topo.all_groups(CommGroup.PP_GROUP):
-                g = dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo")
+                gs = tuple(dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo")
+                           for _ in range(2))
                 if topo.rank in ranks:
-                    self._group, self._pp_ranks = g, list(ranks)
+                    self._groups, self._pp_ranks = gs, list(ranks)
         else:
             self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
             module.to(self._device)
@@ -334,7 +335,7 @@ class DistributedModel(nn.Module):
         # Before the pipeline's server captures the forwards it serves (activation_checkpointing).
         activation_checkpointing.apply_marks(self)
         self._pipeline = Pipeline(
-            self.module, assignment, self._pp_ranks, self._pp_rank, self._group,
+            self.module, assignment, self._pp_ranks, self._pp_rank, self._groups,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
             _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
         activation_checkpointing.serve_functions(self, self._pipeline.server)

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 class Pipeline:
     def __init__(self, root: nn.Module, assignment: dict, ranks: List[int], pp_rank: int,
-                 group: dist.ProcessGroup, pipeline: str, active_microbatches: int,
+                 groups: Tuple[dist.ProcessGroup, dist.ProcessGroup], pipeline: str, active_microbatches: int,
                  timeline: Timeline, timeout_s: float, device: torch.device,
                  deterministic: bool = False) -> None:
         self.pp_rank = pp_rank
@@ -61,7 +61,7 @@ class Pipeline:
         self.stages = len(ranks)
         self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
                                    device, deterministic)
-        self.transport = Transport(ranks, pp_rank, group, self.server.dispatch, timeout_s, device,
+        self.transport = Transport(ranks, pp_rank, groups, self.server.dispatch, timeout_s, device,
                                    timeline)
         self.server.transport = self.transport
         self.transport.on_error(self.server.wake_all)

@@ -2,9 +2,14 @@
 
 Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
 thread and one receiver (a role that threads take in turn, one at a time: a receiver that gets
-work from a frame runs it itself and hands the receiving on, see `_recv_session`), on a process
-group used by nothing else: messages from one rank to another arrive in the order they were
-sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong message. The
+work from a frame runs it itself and hands the receiving on, see `_recv_session`), on process
+groups used by nothing else: messages from one rank to another arrive in the order they were
+sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are
+two groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
+second), so that each TCP connection carries frames one way: when two ranks posted frames to
+each other on one connection at the same moment, gloo stalled one or both for 4-7 ms, in 15-40 %
+of such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a
+pipeline send to each other at the same moment once per microbatch. The
 thread that sends a message posts it itself, with whatever was queued for the peer before it, as
 one frame: a small header (two int64 lengths, then the pickled `Message`s without their tensors,
 which carry their shapes and dtypes) and the tensors' bytes, in a single gloo isend when it fits
@@ -37,7 +42,7 @@ import logging
 import pickle
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -97,7 +102,8 @@ _NEVER = float("inf")
 class Transport:
     """Point-to-point messages among `ranks` (global ranks of one PP group, in pp-rank order)."""
 
-    def __init__(self, ranks: List[int], my_pp_rank: int, group: dist.ProcessGroup,
+    def __init__(self, ranks: List[int], my_pp_rank: int,
+                 groups: Tuple[dist.ProcessGroup, dist.ProcessGroup],
                  dispatch: Callable[[List[Message]], Optional[Callable[[], None]]],
                  timeout_s: float,
                  device: torch.device, timeline=None, hold_s: float = HOLD_S) -> None:
@@ -110,11 +116,13 @@ class Transport:
         self.sent_bytes: collections.Counter = collections.Counter()
         self.sent_frames: collections.Counter = collections.Counter()  # by peer pp rank
         self.me = my_pp_rank
-        self.group = group
-        # Frames go straight to the group's send / recv: torch.distributed's isend and recv add
-        # argument checks, rank translation and an exception logger around the same calls,
-        # ~30-50 us of CPU per frame on a busy core (a frame costs ~250 us in all).
-        self._group_rank = {peer: dist.get_group_rank(group, r) for peer, r in enumerate(ranks)}
+        # Frames to a higher pp rank travel on groups[0], to a lower one on groups[1] (the same
+        # ranks, in the same order). They go straight to the group's send / recv:
+        # torch.distributed's isend and recv add argument checks, rank translation and an
+        # exception logger around the same calls, ~30-50 us of CPU per frame on a busy core (a
+        # frame costs ~250 us in all).
+        self._groups = groups
+        self._group_rank = {peer: dist.get_group_rank(groups[0], r) for peer, r in enumerate(ranks)}
         self.timeout_s = timeout_s
         self.device = device
         self._dispatch = dispatch
@@ -178,7 +186,7 @@ class Transport:
         for peer in self.peers:
             try:
                 with self._outbox[peer].posting:
-                    works, _ = self._post_frame(self.ranks[peer], [notice])
+                    works, _ = self._post_frame(peer, [notice])
                 for work in works:
                     work.wait()
             except Exception:  # noqa: BLE001  (best effort: the peer may be gone)
@@ -349,7 +357,7 @@ class Transport:
             what = msgs[0].describe()
             try:
                 with span:
-                    works, keep = self._post_frame(self._group_rank[peer], msgs)
+                    works, keep = self._post_frame(peer, msgs)
             except Exception as e:  # noqa: BLE001
                 self._send_failed(peer, what, e)
                 for d in dones:
@@ -412,8 +420,8 @@ class Transport:
                     d.set()
             del posted  # hold no tensors while idle (nor when the thread ends at exit)
 
-    def _post_frame(self, dst: int, msgs: List[Message]) -> tuple:
-        """Post `msgs` to `dst` (a rank of the transport's group) as one frame: [header length]
+    def _post_frame(self, peer: int, msgs: List[Message]) -> tuple:
+        """Post `msgs` to pp rank `peer` as one frame: [header length]
         [body length][pickled headers][tensor bytes]. The receiver posts a fixed-size buffer
         (gloo accepts a shorter message), so small messages cost a single send; what does not
         fit follows in one more each: the headers (rare: a huge non-tensor payload), then the
@@ -449,7 +457,8 @@ class Transport:
         if not inline and body_len:
             bufs.append(np.concatenate(body))
         keep = [torch.from_numpy(b) for b in bufs]
-        return [self.group.send([t], dst, 0) for t in keep], keep
+        group, dst = self._groups[0 if peer > self.me else 1], self._group_rank[peer]
+        return [group.send([t], dst, 0) for t in keep], keep
 
     # ---- receiving --------------------------------------------------------------------------
     def _receive(self, peer: int, in_session: bool = False) -> None:
@@ -484,7 +493,7 @@ class Transport:
         large share of a hop between ranks), and this peer's next frame is received meanwhile.
         A function of its own so that no received tensor stays referenced between sessions."""
         while True:
-            frame = self._recv_frame(self._group_rank[peer])
+            frame = self._recv_frame(peer)
             if self.timeline is not None and self.timeline.enabled:
                 self.timeline.instant(
                     f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
@@ -508,15 +517,16 @@ class Transport:
                 self._receivers.run(self._receive, peer, True)
                 return work
 
-    def _recv_frame(self, src: int) -> List[Message]:
-        """The next frame from `src` (a rank of the transport's group), as its messages."""
-        frame, nf = _frame_buffer(self._frames, src)
-        self.group.recv([frame], src, 0).wait()
+    def _recv_frame(self, peer: int) -> List[Message]:
+        """The next frame from pp rank `peer`, as its messages."""
+        frame, nf = _frame_buffer(self._frames, peer)
+        group, src = self._groups[0 if peer < self.me else 1], self._group_rank[peer]
+        group.recv([frame], src, 0).wait()
         header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
         start = _PREFIX + header_len
         if start > FRAME_BYTES:  # the headers follow on their own (see _post_frame)
             header = np.empty(header_len, dtype=np.uint8)
-            self.group.recv([torch.from_numpy(header)], src, 0).wait()
+            group.recv([torch.from_numpy(header)], src, 0).wait()
             msgs: List[Message] = pickle.loads(header)
         else:
             msgs = pickle.loads(nf[_PREFIX:start])
@@ -526,7 +536,7 @@ class Transport:
         else:
             body = np.empty(body_len, dtype=np.uint8)
             if body_len:
-                self.group.recv([torch.from_numpy(body)], src, 0).wait()
+                group.recv([torch.from_numpy(body)], src, 0).wait()
         offset = 0
         for msg in msgs:
             tensors = []
@@ -588,13 +598,13 @@ class _Outbox:
         self.posted: collections.deque = collections.deque()
 
 
-def _frame_buffer(buffers: Dict[int, tuple], rank: int) -> tuple:
-    """The frame-sized buffer kept for `rank` in `buffers` (made on first use), as a tensor for
+def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:
+    """The frame-sized buffer kept for `peer` in `buffers` (made on first use), as a tensor for
     gloo and the numpy array over the same memory."""
-    buf = buffers.get(rank)
+    buf = buffers.get(peer)
     if buf is None:
         t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        buf = buffers[rank] = (t, t.numpy())
+        buf = buffers[peer] = (t, t.numpy())
     return buf
 
 
