@@ -42,9 +42,9 @@ logger = logging.getLogger(__name__)
 
 class Pipeline:
     def __init__(self, root: nn.Module, assignment: dict, ranks: List[int], pp_rank: int,
-                 groups: Tuple[dist.ProcessGroup, dist.ProcessGroup], pipeline: str, active_microbatches: int,
-                 timeline: Timeline, timeout_s: float, device: torch.device,
-                 deterministic: bool = False) -> None:
+                 groups: Tuple[dist.ProcessGroup, dist.ProcessGroup], pipeline: str,
+                 active_microbatches: int, timeline: Timeline, timeout_s: float,
+                 device: torch.device, deterministic: bool = False) -> None:
         self.pp_rank = pp_rank
         self.pipeline = pipeline
         self.active_microbatches = active_microbatches
