@@ -457,8 +457,12 @@ class Transport:
         if not inline and body_len:
             bufs.append(np.concatenate(body))
         keep = [torch.from_numpy(b) for b in bufs]
-        group, dst = self._groups[0 if peer > self.me else 1], self._group_rank[peer]
+        group, dst = self._group(self.me, peer), self._group_rank[peer]
         return [group.send([t], dst, 0) for t in keep], keep
+
+    def _group(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The group that frames from pp rank `src` to pp rank `dst` travel on."""
+        return self._groups[0 if dst > src else 1]
 
     # ---- receiving --------------------------------------------------------------------------
     def _receive(self, peer: int, in_session: bool = False) -> None:
@@ -520,7 +524,7 @@ class Transport:
     def _recv_frame(self, peer: int) -> List[Message]:
         """The next frame from pp rank `peer`, as its messages."""
         frame, nf = _frame_buffer(self._frames, peer)
-        group, src = self._groups[0 if peer < self.me else 1], self._group_rank[peer]
+        group, src = self._group(peer, self.me), self._group_rank[peer]
         group.recv([frame], src, 0).wait()
         header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
         start = _PREFIX + header_len
