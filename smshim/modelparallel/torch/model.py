@@ -24,7 +24,7 @@ from .comm import CommGroup
 from .mixed_precision import cast_model, config_dtype
 from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
                      MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
-from . import tensor_parallel, tp_comm, tp_shard
+from . import state_dicts, tensor_parallel, tp_comm, tp_shard
 from .pipeline import Pipeline
 from smshim._reducer import GradReducer
 from .server import ctx
@@ -488,19 +488,16 @@ class DistributedModel(nn.Module):
         """The full model state, keys as the unwrapped module's, tensors on the CPU. With pp > 1
         after partitioning it is gathered over the PP group, and with tensor parallelism the
         shards over the TP group: call it on every rank of the MP group (rdp_rank 0)."""
-        from . import state_dicts  # (imported here: state_dicts is this method's implementation)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars)
 
     def local_state_dict(self) -> Dict[str, Any]:
         """This rank's entries of the full state dict, with `_smp_is_partial: True` and the pp
         degree, pp rank and partition it was saved under."""
-        from . import state_dicts
         return state_dicts.model_local_state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
         """Load a full or partial (`_smp_is_partial`) state dict; each rank takes its local
         entries. A partial dict given before partitioning is applied right after it."""
-        from . import state_dicts
         return state_dicts.model_load_state_dict(self, state_dict, strict)
 
     def cpu(self) -> "DistributedModel":

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _module_mod
 
 from .errors import InvalidPartitionIDError
+from .state import state
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def _on_tensor_registered(module, name, tensor):
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
     """Modules created (or assigned to a parent) inside go to partition `index`; innermost wins."""
-    from .state import state
-
     _check_id(index, state.cfg.pipeline_parallel_degree if state.initialized else None)
     if not _context_stack:
         _hook_handles.extend([
@@ -88,8 +87,6 @@ def partition(index: int) -> Iterator[None]:
 
 def set_partition(module: nn.Module, index: int, recurse: bool = True) -> None:
     """Assign `module` (and, with recurse, its descendants) to partition `index`."""
-    from .state import state
-
     _check_id(index, state.cfg.pipeline_parallel_degree if state.initialized else None)
     for m in (module.modules() if recurse else [module]):
         _marks[m] = index

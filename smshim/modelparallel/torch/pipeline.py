@@ -32,6 +32,7 @@ import torch.nn as nn
 from . import autocast_state, tp_comm
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
 from .server import ModuleServer, ctx
+from .state import state
 from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import STEP_END, Message, PipelineError, Transport
@@ -131,8 +132,6 @@ class Pipeline:
 
     # ---- pp_rank 0 ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], mb_inputs: Sequence[Tuple[tuple, dict]]) -> List[Any]:
-        from .state import state
-
         m = len(mb_inputs)
         schedule = make_schedule(self.pipeline, m, min(self.active_microbatches, m), self.stages)
         self._schedule = schedule

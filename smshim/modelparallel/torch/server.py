@@ -65,9 +65,11 @@ import torch
 import torch.nn as nn
 
 from . import autocast_state, weight_grad
+from .errors import FwdExecutionNotInStepFnError, SMPRuntimeError
 from .remote_tensor import RemoteTensor, _Cell
 from .run_queue import RunQueue
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
+from .state import state
 from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, SEND_TO, STEP_END,
@@ -407,8 +409,6 @@ class ModuleServer:
     # Caller side ---------------------------------------------------------------------------
     def call(self, name: str, owner: int, args: tuple, kwargs: dict) -> Any:
         if not ctx.in_step:
-            from .errors import FwdExecutionNotInStepFnError
-
             raise FwdExecutionNotInStepFnError(
                 f"module '{name}' lives on pipeline rank {owner}: it can only run inside an "
                 "@smp.step function")
@@ -563,8 +563,6 @@ class ModuleServer:
     def _fetch(self, cell: _Cell) -> torch.Tensor:
         """A handle's data: pushed by its owner, or asked for once."""
         if cell.step != self._step:
-            from .errors import SMPRuntimeError
-
             raise SMPRuntimeError(
                 f"the {cell.what} (microbatch {cell.microbatch}, step {cell.step}) stayed on pp rank "
                 f"{cell.owner} and was dropped when its step ended: read it inside the @smp.step "
@@ -638,8 +636,6 @@ class ModuleServer:
         """(On the run queue's thread.)"""
         _serving.here = True
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
-        from .state import state
-
         state.microbatch = msg.microbatch
         try:
             if msg.kind == FWD_REQ:

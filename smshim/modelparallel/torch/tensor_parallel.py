@@ -32,7 +32,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
-import torch
 from torch import nn
 
 from . import nn as smp_nn
