@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from smshim.modelparallel.torch.run_queue import RunQueue
 from smshim.testing import run_ranks
+from tests.polling import wait_until
 
 
 def _spawner(started):
@@ -18,13 +19,6 @@ def _spawner(started):
         started.append(t)
         t.start()
     return spawn
-
-
-def _wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert cond()
 
 
 def test_items_queued_while_the_runner_works_run_next_on_its_thread_in_priority_order():
@@ -37,12 +31,12 @@ def test_items_queued_while_the_runner_works_run_next_on_its_thread_in_priority_
 
     q = RunQueue(run, _spawner(started))
     q.put((0, 0), "first")
-    _wait_until(lambda: ran)
+    wait_until(lambda: ran)
     for priority, item in (((1, 2), "c"), ((0, 9), "b"), ((1, 1), "d")):
         q.put(priority, item)
     assert q.peek() == "b"
     busy.set()
-    _wait_until(lambda: len(ran) == 4)
+    wait_until(lambda: len(ran) == 4)
     started[0].join(5)
     assert [item for item, _ in ran] == ["first", "b", "d", "c"]
     assert len({tid for _, tid in ran}) == 1 and len(started) == 1
@@ -62,7 +56,7 @@ def test_a_runner_that_waits_steps_down_and_the_queued_work_it_waits_for_runs():
 
     q = RunQueue(run, _spawner(started))
     q.put((0, 0), "consumer")
-    _wait_until(lambda: len(ran) == 2)
+    wait_until(lambda: len(ran) == 2)
     for t in started:
         t.join(5)
         assert not t.is_alive()
@@ -84,10 +78,10 @@ def test_a_runner_back_from_its_wait_takes_the_role_again_when_it_is_free():
 
     q = RunQueue(run, _spawner(started))
     q.put((0, 0), "waits")
-    _wait_until(lambda: ran)
+    wait_until(lambda: ran)
     assert q._owner is None  # the role is free while the old runner waits
     gate.set()
-    _wait_until(lambda: len(ran) == 2)
+    wait_until(lambda: len(ran) == 2)
     started[0].join(5)
     assert len(started) == 1 and ran[0][1] == ran[1][1] and q._owner is None
 
@@ -117,7 +111,7 @@ def test_a_runner_waiting_for_the_lock_keeps_its_role_for_work_that_goes_after_i
     assert better_ran.wait(5)
     assert len(started) == 2 and ran[-1][1] != ran[0][1]
     lock_free.set()
-    _wait_until(lambda: len(ran) == 3)
+    wait_until(lambda: len(ran) == 3)
     for t in started:
         t.join(5)
     assert [item for item, _ in ran] == ["mine", "before", "after"] and q._owner is None

@@ -18,6 +18,7 @@ from smshim.modelparallel.torch.timeline import Timeline
 from smshim.modelparallel.torch.transport import PipelineError
 from smshim.modelparallel.torch.value_store import ValueStore
 from smshim.testing import run_ranks
+from tests.polling import wait_until
 
 
 @pytest.fixture
@@ -34,13 +35,6 @@ def woken(monkeypatch):
     return sets
 
 
-def _wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert cond()
-
-
 def test_a_release_wakes_only_the_waiter_that_takes_the_lock(woken):
     lock, log = ComputeLock(), []
     go_on = threading.Event()
@@ -55,10 +49,10 @@ def test_a_release_wakes_only_the_waiter_that_takes_the_lock(woken):
     for i in range(1, 5):
         threads.append(threading.Thread(target=take, args=((1, i), f"mb{i}"), daemon=True))
         threads[-1].start()
-        _wait_until(lambda: len(lock._waiters) == i)
+        wait_until(lambda: len(lock._waiters) == i)
     woken.clear()  # (starting a thread sets an event too)
     lock.release()
-    _wait_until(lambda: log)
+    wait_until(lambda: log)
     assert log == ["mb1"]
     assert len(woken) == 1  # mb2..mb4 slept on
     go_on.set()
@@ -76,7 +70,7 @@ def test_a_value_wakes_only_the_threads_waiting_for_it(woken):
     threads = [threading.Thread(target=get, args=(k,), daemon=True) for k in ("a", "b", "c")]
     for t in threads:
         t.start()
-    _wait_until(lambda: len(store._getters) == 3)
+    wait_until(lambda: len(store._getters) == 3)
     woken.clear()  # (starting a thread sets an event too)
     store.put("b", torch.ones(1), microbatch=0)
     threads[1].join(5)
@@ -102,7 +96,7 @@ def test_a_failure_wakes_every_waiting_thread_at_once():
     threads = [threading.Thread(target=get, args=(k,), daemon=True) for k in ("a", "b")]
     for t in threads:
         t.start()
-    _wait_until(lambda: len(store._getters) == 2)
+    wait_until(lambda: len(store._getters) == 2)
     t0 = time.monotonic()
     store.fail(RuntimeError("pp rank 2 died"))
     for t in threads:
@@ -139,7 +133,7 @@ def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
     threads = [threading.Thread(target=body, args=(mb,), daemon=True) for mb in (1, 2, 3)]
     for t in threads:
         t.start()
-    _wait_until(lambda: len(server._turn_waiters) == 3)
+    wait_until(lambda: len(server._turn_waiters) == 3)
     woken.clear()  # (starting a thread sets an event too)
     server.turn_done(FORWARD, 0)
     threads[0].join(5)
@@ -166,7 +160,7 @@ def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
 
     t = threading.Thread(target=body, daemon=True)
     t.start()
-    _wait_until(lambda: len(server._turn_waiters) == 1)
+    wait_until(lambda: len(server._turn_waiters) == 1)
     t0 = time.monotonic()
     server.transport.error = RuntimeError("pp rank 1 died")
     server.wake_all(server.transport.error)
