@@ -293,6 +293,32 @@ def test_a_linear_weight_also_used_in_the_glue_code_gets_both_gradients():
     _check_placed(TiedGlue, _tied_batches, cfg, {"mid": 1, "head": 1}, timeout=120)
 
 
+# ---- a gradient sent to pp_rank 0 that its glue passes on unread -----------------------------
+
+class PassedOn(nn.Module):
+    """`u + 1` is computed on pp_rank 0, so `head`'s owner sends its input gradient there; the
+    add's backward hands that gradient on, unread, to `mid`'s backward, which names it by key on
+    the rank that computed it (found by the random-model sweep: tests/random_models.py)."""
+
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.inp, self.mid, self.head = nn.Linear(8, d), Block(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        u = self.mid(self.inp(x))
+        return self.head(u + 1)
+
+
+def test_a_gradient_sent_to_pp_rank_0_and_passed_on_unread_to_its_owner():
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    _check_placed(PassedOn, _tied_batches, cfg, {"mid": 1, "head": 1}, timeout=120)
+
+
+def test_a_gradient_sent_to_pp_rank_0_and_passed_on_unread_to_a_third_rank():
+    cfg = {"pipeline_parallel_degree": 3, "microbatches": 2}
+    _check_placed(PassedOn, _tied_batches, cfg, {"mid": 1, "head": 2}, timeout=120)
+
+
 # ---- a 4-stage chain: who sends what to whom -----------------------------------------------
 
 class LossStage(nn.Module):

@@ -316,6 +316,8 @@ class DistributedModel(nn.Module):
 
     def _apply_partition(self, assignment: Dict[str, int]) -> None:
         self._assignment = assignment
+        if self._pp_rank == 0:
+            logger.debug("module placement (name -> pp rank): %s", assignment)
         local_params = {id(p) for p in self.local_parameters()}
         freed = 0
         with torch.no_grad():

@@ -720,8 +720,9 @@ class ModuleServer:
                 if i in push:
                     self.transport.send(msg.src, Message(VALUE, msg.step, msg.microbatch,
                                                          module=msg.module, meta=key, tensors=[g]))
-                else:
-                    self._keep(key, g, msg.microbatch, msg.step)
+                # Kept even when pushed: the caller's autograd may pass the gradient on unread
+                # (the backward of a glue add) to another call, which then names it by key here.
+                self._keep(key, g, msg.microbatch, msg.step)
 
         try:
             self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
