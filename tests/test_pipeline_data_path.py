@@ -650,6 +650,59 @@ def test_nested_calls_match_single_process():
     _check_placed(NestedNet, _glue_batches, cfg, placement, timeout=180)
 
 
+class CallsBack(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.lin, self.inner = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.inner(torch.tanh(self.lin(x))) + x
+
+
+class CallsBackNet(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.inp, self.outer, self.head = nn.Linear(8, d), CallsBack(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.outer(self.inp(x)))
+
+
+def test_nested_calls_backward_comes_after_pp_rank_0_has_nothing_left_to_wait_for():
+    """`inp` and `outer` on rank 1, `outer.inner` on rank 0: pp_rank 0 needs no gradient back,
+    so its step is over once its backward requests are sent, while rank 1's backward of `outer`
+    still has to call `inner`'s on rank 0, which must serve it before its step ends (found by
+    the random-model sweep)."""
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    placement = {"inp": 1, "outer": 1, "outer.inner": 0}
+    _check_placed(CallsBackNet, _glue_batches, cfg, placement, timeout=180)
+
+
+def test_nested_calls_under_the_deterministic_server():
+    """Rank 2 gets `inp`'s backward from pp_rank 0 (which needs `outer`'s input gradient from
+    rank 1) before rank 1's backward of `outer` calls `inner`'s on rank 2: the nested backward
+    must not wait for its turn behind the request that waits for it (found by the random-model
+    sweep)."""
+    cfg = {"pipeline_parallel_degree": 3, "microbatches": 2, "deterministic_server": True}
+    placement = {"inp": 2, "outer": 1, "outer.inner": 2}
+    _check_placed(CallsBackNet, _glue_batches, cfg, placement, timeout=120)
+
+
+class DeadNested(NestedNet):
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        self.outer(h)  # a result nobody reads: pp_rank 0 does not wait for it
+        return self.head(h)
+
+
+def test_a_nested_call_whose_result_nobody_reads_is_served_within_its_step():
+    """pp_rank 0 may end the step before rank 1 has even run `outer`, whose nested calls into
+    ranks 0 and 2 must still be served in that step (found by the random-model sweep)."""
+    cfg = {"pipeline_parallel_degree": 3, "microbatches": 2}
+    placement = {"outer": 1, "outer.inner": 2, "outer.back": 0, "head": 2}
+    _check_placed(DeadNested, _glue_batches, cfg, placement, timeout=180)
+
+
 # ---- a step called under torch.no_grad() --------------------------------------------------
 
 class _GradModeSeen(nn.Linear):

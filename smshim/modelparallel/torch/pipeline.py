@@ -8,7 +8,8 @@ When a microbatch's forward code is over, pp_rank 0 tells every rank (FWD_DONE: 
 microbatches by it), and when its body has returned, that the microbatch is finished (MB_DONE:
 they drop the values they kept for it). The other ranks serve requests until pp_rank 0 sends
 STEP_END with the step's outputs, in one frame with its CLOSE; every rank then closes the step
-with its peers and leaves it without waiting for theirs (transport.py).
+with its peers and leaves it without waiting for theirs (transport.py). (A rank whose modules a
+peer called from inside its own first waits for that peer to be done: server.finish_nested.)
 
 Thread roles on pp_rank 0: the caller's thread starts the first microbatches and waits for the
 step's end (a body whose backward makes room for another microbatch starts it); one worker per
@@ -199,9 +200,17 @@ class Pipeline:
         # (No wait for `returned` otherwise: every body has counted itself finished, the last
         # thing it does with the step's state; waiting would cost the caller one more wake.)
         template, tensors = flatten(results)
-        # Nothing more goes to the peers this step: the results and the CLOSE leave together.
-        self.transport.close_session(step, last=Message(STEP_END, step, meta=template,
-                                                        tensors=tensors))
+        end = Message(STEP_END, step, meta=template, tensors=tensors)
+        if self.server.has_nested_callers():
+            # Peers that called modules here from inside theirs may still send the backward of
+            # those calls: serve it before closing (what it sends must precede the CLOSE).
+            for peer in self.transport.peers:
+                self.transport.send(peer, end)
+            self.server.finish_nested(step)
+            self.transport.close_session(step)
+        else:
+            # Nothing more goes to the peers this step: the results and the CLOSE leave together.
+            self.transport.close_session(step, last=end)
         self._finish(step, closed=True)
         return results
 
@@ -281,6 +290,7 @@ class Pipeline:
         # pp_rank 0 may end the step while a backward it did not need a result from (a stage
         # whose inputs need no gradient) still runs here: its gradients must be in first.
         self.server.wait_idle(step)
+        self.server.finish_nested(step)
         self._finish(step)
         return fill(msg.meta, msg.tensors)
 

@@ -25,7 +25,11 @@ inputs do (the first stage's inputs are data), so the owner's parameters still g
 
 Calls made from inside a module on another rank (nested calls) wait for real values, as a plain
 synchronous request: handles only live on pp_rank 0, which knows when a microbatch is over
-(MB_DONE) and so when every rank may drop the values it kept for it.
+(MB_DONE) and so when every rank may drop the values it kept for it. A nested call may run after
+pp_rank 0 has ended the step (its backward, when pp_rank 0 needs no gradient back; its forward,
+when nobody reads its result), so the values and graphs of nested calls stay until the step's
+end, and a rank whose modules a module elsewhere may call so (a descendant placed here) ends its
+step only once that rank has said it is done (NESTED_DONE, `finish_nested`).
 
 Each rank runs one module forward or backward at a time (the ComputeLock, by schedule priority);
 a request first waits (without the lock) for its inputs, and a thread gives the lock up while it
@@ -72,8 +76,8 @@ from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
 from .state import state
 from .structure import fill, flatten
 from .timeline import Timeline
-from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, SEND_TO, STEP_END,
-                        VALUE, Message, PipelineError, Transport)
+from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, NESTED_DONE,
+                        SEND_TO, STEP_END, VALUE, Message, PipelineError, Transport)
 from .value_store import ValueStore
 from .workers import adopt_intra_op_threads
 
@@ -224,6 +228,13 @@ class ModuleServer:
         self._step = -1  # the step in progress
         self._regions_done: collections.Counter = collections.Counter()
         self._regions_per_mb = {FORWARD: 0, BACKWARD: 0}
+        # Nested calls: the ranks whose modules this rank's may call from inside (a module of
+        # this rank with a descendant elsewhere), the ranks that may call this one's so, and
+        # those of them that said they are done with the step (NESTED_DONE; under _cond).
+        edges = _nested_call_edges(assignment)
+        self._nested_callees = {b for a, b in edges if a == pp_rank}
+        self._nested_callers = {a for a, b in edges if b == pp_rank}
+        self._nested_done: set = set()
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
@@ -310,8 +321,11 @@ class ModuleServer:
                         # pp_rank 0 asks for a backward only once the microbatch's forward code
                         # is over: this says what FWD_DONE would.
                         self._fwd_done.add(msg.microbatch)
-                    if self.deterministic:
-                        msg.ticket = next(self._tickets)  # backwards run in the order they came
+                        if self.deterministic:
+                            # Backwards run in the order they came. (Not a nested call's: it is
+                            # part of a backward running on its caller, which may be what an
+                            # earlier ticket here waits for.)
+                            msg.ticket = next(self._tickets)
             # A request takes a thread only once what it needs is here (its forward, for a
             # backward, and every value sent by reference), so requests queued far ahead of
             # their inputs never exhaust the pool.
@@ -341,6 +355,10 @@ class ModuleServer:
                 self._fwd_done.add(msg.microbatch)
                 self._drop_if_done(msg.microbatch)
             self._runq.poke(here=True)
+        elif kind == NESTED_DONE:
+            with self._cond:
+                self._nested_done.add(msg.src)
+                self._cond.notify_all()
         elif kind == STEP_END:
             self.step_end.put(msg)
         else:
@@ -705,12 +723,19 @@ class ModuleServer:
         # The forward may still be queued here (requests do not wait for each other's replies).
         self._get_value((msg.src, msg.call_id, "fwd", 0), self.me, self._what(msg, "forward"))
         grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
-        if self.deterministic:
+        ticket = getattr(msg, "ticket", None)
+        if ticket is not None:
+            deadline = time.monotonic() + self.timeout_s
             with self._cond:
-                while self._turn != msg.ticket:
+                while self._turn != ticket:
                     self._runq.step_down()
                     self._cond.wait(timeout=1.0)
                     self.transport.check()
+                    if time.monotonic() > deadline:
+                        raise PipelineError(
+                            f"pp rank {self.me} waited {self.timeout_s:.0f} s to run the "
+                            f"{self._what(msg, 'backward')} in its turn (deterministic_server: "
+                            f"backward {ticket} of the step here, at {self._turn})")
 
         def deliver(in_grads) -> None:
             for i, g in enumerate(in_grads):
@@ -728,7 +753,7 @@ class ModuleServer:
             self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
                                    grads, deliver, place=getattr(msg, "place", None))
         finally:
-            if self.deterministic:
+            if ticket is not None:
                 with self._cond:
                     self._turn += 1
                     self._cond.notify_all()
@@ -766,7 +791,8 @@ class ModuleServer:
                 with self._cond:
                     self._forward_microbatches.add(mb)
                     self._saved[(caller, call_id)] = (inputs, outs, mb)
-                    self._graphs[mb] += 1
+                    if caller == 0:  # (a nested call's graph lives until the step's end)
+                        self._graphs[mb] += 1
                     # Microbatches whose activations this rank holds (for the memory benchmark):
                     # a graph counts until its backward is over, not only until one starts
                     # waiting for the compute lock.
@@ -808,11 +834,15 @@ class ModuleServer:
         finally:
             with self._cond:
                 self._backwards_running -= 1
-                self._graphs[mb] -= 1
+                if caller == 0:
+                    self._graphs[mb] -= 1
                 self._release_if_done(mb)
                 self._cond.notify_all()
+                # (A rank that serves nested calls learns that their backwards are over only
+                # at the step's end: it reduces then.)
                 done = (not self._saved and self._backwards_running == 0
-                        and len(self._forward_microbatches) >= self._expected_microbatches)
+                        and len(self._forward_microbatches) >= self._expected_microbatches
+                        and not self._nested_callers)
             # A queued forward may now be admitted: a thread serving requests runs it next.
             self._runq.poke(here=getattr(_serving, "here", False))
         if done:
@@ -965,9 +995,11 @@ class ModuleServer:
         # (under self._cond) pp_rank 0 has finished the microbatch and no request of it is left:
         # nothing can ask for its values any more, and a graph still kept (an output that did
         # not reach the loss, or a forward-only step with grad enabled) will get no backward.
+        # Not so for nested calls (made by another rank than 0), whose caller may still be
+        # running: their values and graphs stay until the step's end (finish_nested).
         if mb in self._mb_done and self._requests[mb] <= 0:
-            self.store.drop_microbatch(mb)
-            for key in [k for k, saved in self._saved.items() if saved[2] == mb]:
+            self.store.drop_microbatch(mb, keep=_nested_key)
+            for key in [k for k, saved in self._saved.items() if saved[2] == mb and k[0] == 0]:
                 del self._saved[key]
             self._graphs[mb] = 0
             self._live.discard(mb)
@@ -982,7 +1014,7 @@ class ModuleServer:
         self.lock.clear_places()  # (none are left but after a failed step)
         with self._cond:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
-                      self._fwd_turns, self._bwd_turns, self._bwd_begun):
+                      self._fwd_turns, self._bwd_turns, self._bwd_begun, self._nested_done):
                 s.clear()
             for c in (self._requests, self._forwards, self._graphs, self._regions_done,
                       self._own_runs):
@@ -993,15 +1025,41 @@ class ModuleServer:
 
     def wait_idle(self, step: int) -> None:
         """Wait until every request received for the step has been served."""
+        self._wait_until(lambda: not any(n > 0 for n in self._requests.values()), step, lambda: (
+            "for its requests to finish (requests left by microbatch: "
+            f"{ {mb: n for mb, n in self._requests.items() if n > 0} })"))
+
+    def has_nested_callers(self) -> bool:
+        """May a peer call this rank's modules from inside one of its own?"""
+        return bool(self._nested_callers)
+
+    def finish_nested(self, step: int) -> None:
+        """At the step's end, once this rank's own requests are served: tell the ranks whose
+        modules this rank's may call from inside that no more such calls will come; then wait
+        until the ranks that may call this one so have said the same, and serve what they sent.
+        (pp_rank 0 may end a step while a nested call's backward, or a forward whose result it
+        does not read, still runs on the caller.)"""
+        if not (self._nested_callees or self._nested_callers):
+            return
+        for callee in sorted(self._nested_callees):
+            self.transport.send(callee, Message(NESTED_DONE, step))
+        self.transport.flush()
+        if not self._nested_callers:
+            return
+        self._wait_until(lambda: self._nested_callers <= self._nested_done, step, lambda: (
+            f"for pp ranks {sorted(self._nested_callers - self._nested_done)}, whose modules "
+            "call this rank's from inside, to finish the step"))
+        self.wait_idle(step)
+
+    def _wait_until(self, done: Callable[[], bool], step: int, what: Callable[[], str]) -> None:
+        """(Under no lock.) Wait, bounded by the timeout, until `done()` (checked under _cond)."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while any(n > 0 for n in self._requests.values()):
+            while not done():
                 self.transport.check()
                 if time.monotonic() > deadline:
-                    pending = {mb: n for mb, n in self._requests.items() if n > 0}
-                    err = PipelineError(
-                        f"pp rank {self.me} waited {self.timeout_s:.0f} s at the end of step {step}"
-                        f" for its requests to finish (requests left by microbatch: {pending})")
+                    err = PipelineError(f"pp rank {self.me} waited {self.timeout_s:.0f} s at the "
+                                        f"end of step {step} {what()}")
                     self.transport.fail(err)
                     raise err
                 self._cond.wait(timeout=1.0)
@@ -1038,7 +1096,7 @@ class ModuleServer:
                 self.transport.send_later(peer, Message(MB_DONE, ctx.step, mb))
         if handles:
             out = fill(template, [self._real(t) for t in tensors])
-        self.store.drop_microbatch(mb)
+        self.store.drop_microbatch(mb, keep=_nested_key)
         return out
 
     def prefetch(self, tensors: List[torch.Tensor]) -> None:
@@ -1091,6 +1149,24 @@ _PREFETCH_NUMEL = 64
 
 # Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
 _IDLE_PRIORITY = (2, 0)
+
+
+def _nested_call_edges(assignment: Dict[str, int]) -> set:
+    """(caller, callee) pp ranks of the calls a module on a rank other than 0 may make from
+    inside its forward: to a descendant placed on another rank."""
+    edges = set()
+    for name, callee in assignment.items():
+        parts = name.split(".") if name else []
+        for i in range(1, len(parts)):
+            caller = assignment.get(".".join(parts[:i]), 0)
+            if caller not in (0, callee):
+                edges.add((caller, callee))
+    return edges
+
+
+def _nested_key(key) -> bool:
+    """A value of a call made by another rank than pp_rank 0 (keys start with the caller)."""
+    return key[0] != 0
 
 
 def _turn_come(done: set, mb: int) -> bool:

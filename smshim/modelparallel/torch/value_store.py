@@ -108,9 +108,12 @@ class ValueStore:
                         if not getters:
                             del self._getters[key]
 
-    def drop_microbatch(self, microbatch: int) -> None:
+    def drop_microbatch(self, microbatch: int,
+                        keep: Optional[Callable[[Key], bool]] = None) -> None:
+        """Drop the microbatch's values, but those whose key `keep` says to keep."""
         with self._lock:
-            for key in [k for k, (_, mb) in self._values.items() if mb == microbatch]:
+            for key in [k for k, (_, mb) in self._values.items()
+                        if mb == microbatch and not (keep and keep(k))]:
                 del self._values[key]
 
     def clear(self) -> None:
