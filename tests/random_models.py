@@ -479,7 +479,11 @@ def _rows(case: Case, x: torch.Tensor, d: int) -> slice:
 
 def _optimizer(case: Case, params):
     if case.optimizer == "adam":
-        return torch.optim.Adam(params, lr=0.01)
+        # (A large eps: Adam's first steps move every weight by about lr whatever the size of
+        # its gradient, so with the default eps a gradient that is float noise around zero, as
+        # on a path through detach(), moves it by noise that a different summation order, as
+        # microbatches give, turns into a different direction.)
+        return torch.optim.Adam(params, lr=0.01, eps=1e-3)
     return torch.optim.SGD(params, lr=LR)
 
 
@@ -523,7 +527,7 @@ def train_reference(case: Case) -> Dict[str, Any]:
                     logits = model(x, y)["logits"]
                 outputs.append([{"logits": logits[_rows(case, x, d)]} for d in range(case.dp)])
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "outputs": outputs}
+            "outputs": outputs, "state_dict": model.state_dict(), "opt_state": opt.state_dict()}
 
 
 def train_smp(case: Case) -> Dict[str, Any]:
@@ -572,8 +576,12 @@ def train_smp(case: Case) -> Dict[str, Any]:
             if case.evaluate:
                 with torch.no_grad():
                     outputs.append({"logits": eval_step(model, x, y).concat()})
-    return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
-            "outputs": outputs, "dp_rank": d}
+    result = {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+              "outputs": outputs, "dp_rank": d}
+    if d == 0:  # (the full state dicts, gathered over the pipeline)
+        result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["opt_state"] = opt.state_dict()
+    return result
 
 
 def compare(case: Case, results: List[Dict[str, Any]], tol: float = TOL) -> List[str]:
@@ -594,6 +602,8 @@ def compare(case: Case, results: List[Dict[str, Any]], tol: float = TOL) -> List
             if not diff < tol:
                 problems.append(f"parameter {n}: max abs diff {diff:.3g}")
     for rank, r in enumerate(results):
+        if "state_dict" in r:
+            problems += [f"rank {rank}: {p}" for p in _compare_state(r, want, tol)]
         if len(r["outputs"]) != len(want["outputs"]):
             problems.append(f"rank {rank}: {len(r['outputs'])} step outputs, not "
                             f"{len(want['outputs'])}")
@@ -605,6 +615,33 @@ def compare(case: Case, results: List[Dict[str, Any]], tol: float = TOL) -> List
                                     f" != {wv.dtype}{tuple(wv.shape)}")
                 elif not (gv.double() - wv.double()).abs().max().item() < tol:
                     problems.append(f"rank {rank} step {step} {key} differs")
+    return problems
+
+
+def _compare_state(got: Dict[str, Any], want: Dict[str, Any], tol: float) -> List[str]:
+    """The model's and the optimizer's full state dicts against the reference's."""
+    problems = []
+    sd, want_sd = got["state_dict"], want["state_dict"]
+    if set(sd) != set(want_sd):
+        problems.append(f"state_dict keys differ: {sorted(set(sd) ^ set(want_sd))}")
+    for k in set(sd) & set(want_sd):
+        if not (sd[k].shape == want_sd[k].shape and (sd[k] - want_sd[k]).abs().max() < tol):
+            problems.append(f"state_dict[{k!r}] differs")
+    st, want_st = got["opt_state"]["state"], want["opt_state"]["state"]
+    if set(st) != set(want_st):
+        problems.append(f"optimizer state for parameters {sorted(set(st) ^ set(want_st))} "
+                        "differs in presence")
+    for i in set(st) & set(want_st):
+        for k, v in want_st[i].items():
+            g = st[i].get(k)
+            if g is None or not (torch.as_tensor(g).double() - torch.as_tensor(v).double()
+                                 ).abs().max() < tol:
+                problems.append(f"optimizer state {i}.{k} differs")
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in got["opt_state"]["param_groups"]]
+    want_groups = [{k: v for k, v in g.items() if k != "params"}
+                   for g in want["opt_state"]["param_groups"]]
+    if groups != want_groups:
+        problems.append(f"optimizer param_groups differ: {groups} != {want_groups}")
     return problems
 
 
