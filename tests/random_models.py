@@ -28,7 +28,11 @@ import torch.nn.functional as F
 
 D = 8  # feature width of every module
 CLASSES = 3
-TOL = 1e-5
+# In float64, so that the comparison can be sharp: in float32 a model that squares its values
+# (Fuse with a == b) amplifies the rounding of a different summation order (microbatches) past
+# any fixed tolerance; in float64 a gradient contribution lost or counted twice still shows.
+DTYPE = torch.float64
+TOL = 1e-8
 LR = 0.1
 
 
@@ -96,6 +100,17 @@ class Outer(nn.Module):
 
     def forward(self, x):
         return self.inner(torch.tanh(self.lin(x))) + x
+
+
+class Deep(nn.Module):
+    """Two levels of children (`mid`, `mid.inner`), each of which a placement may put elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.mid = nn.Linear(D, D), Outer()
+
+    def forward(self, x):
+        return self.mid(torch.relu(self.lin(x))) * 0.5 + x
 
 
 class Frozen(nn.Module):
@@ -176,6 +191,7 @@ class LossMod(nn.Module):
 
 
 KINDS = {"lin": Lin, "blk": Blk, "two": Two, "pair": Pair, "fuse": Fuse, "outer": Outer,
+         "deep": Deep,
          "frozen": Frozen, "intout": IntOut, "gather": Gather, "aux": Aux, "listin": ListIn}
 
 
@@ -394,6 +410,8 @@ def module_names(prog: Program) -> List[str]:
         names.append(f"blocks.{i}")
         if k == "outer":
             names.append(f"blocks.{i}.inner")
+        if k == "deep":
+            names += [f"blocks.{i}.mid", f"blocks.{i}.mid.inner"]
     return names
 
 
@@ -415,8 +433,8 @@ def make_case(seed: int) -> Case:
                 dp=dp, placement_strategy=rng.choice(["cluster", "spread"]),
                 optimizer=rng.choice(["sgd", "sgd", "adam"]), accumulate=rng.choice([1, 1, 2]),
                 evaluate=rng.random() < 0.3, checkpointed=[
-                    f"blocks.{i}" for i, k in enumerate(prog.kinds)  # (a module wholly on one
-                    if k != "outer" and rng.random() < 0.3])         # rank: not Outer)
+                    f"blocks.{i}" for i, k in enumerate(prog.kinds)  # (modules wholly on one
+                    if k not in ("outer", "deep") and rng.random() < 0.3])  # rank)
 
 
 def features(case: Case) -> set:
@@ -438,18 +456,37 @@ def features(case: Case) -> set:
              "smaller_last": case.batches[-1] != case.batches[0],
              f"dp2:{case.placement_strategy}": case.dp > 1}
     f |= {k for k, on in flags.items() if on}
-    if _nested(case):
+    nested = _nested(case)
+    if nested:
         f |= {"nested_call", f"nested_call:dp{case.dp}"}
+    if "two" in nested:
+        f.add("nested_call_through_pp_rank_0")
     return f
 
 
-def _nested(case: Case) -> bool:
-    """Is an Outer placed on a rank other than 0, with its child elsewhere (a nested call)?"""
-    where = case.placement or {}
-    return any(where.get(f"blocks.{i}", 0) != 0
-               and where.get(f"blocks.{i}.inner", where.get(f"blocks.{i}", 0))
-               != where.get(f"blocks.{i}", 0)
-               for i, k in enumerate(case.prog.kinds) if k == "outer")
+def _nested(case: Case) -> set:
+    """Nested calls the placement makes: "one" for a module on a rank other than 0 with a
+    descendant elsewhere, "two" for such a descendant on pp_rank 0 with one of its own elsewhere."""
+    if case.placement is None:
+        return set()
+
+    def owner(name: str) -> int:  # (an unplaced module goes where its parent is)
+        while name:
+            if name in case.placement:
+                return case.placement[name]
+            name = name.rpartition(".")[0]
+        return 0
+
+    found = set()
+    names = module_names(case.prog)
+    for a in names:
+        for b in names:
+            if b.startswith(a + ".") and owner(a) != 0 and owner(b) != owner(a):
+                found.add("one")
+                if owner(b) == 0 and any(c.startswith(b + ".") and owner(c) != 0
+                                         for c in names):
+                    found.add("two")
+    return found
 
 
 def covering_seeds(first: int, search: int = 1000) -> List[int]:
@@ -467,7 +504,7 @@ def covering_seeds(first: int, search: int = 1000) -> List[int]:
 def case_batches(case: Case) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """The global batches: replica d trains on rows d*n .. (d+1)*n - 1 of each."""
     g = torch.Generator().manual_seed(case.seed)
-    return [(torch.randn(n * case.dp, D, generator=g),
+    return [(torch.randn(n * case.dp, D, generator=g, dtype=DTYPE),
              torch.randint(0, CLASSES, (n * case.dp,), generator=g))
             for n in case.batches for _ in range(case.accumulate)]
 
@@ -489,7 +526,7 @@ def _optimizer(case: Case, params):
 
 def _model(case: Case) -> RandomNet:
     torch.manual_seed(case.seed)
-    return RandomNet(case.prog)
+    return RandomNet(case.prog).to(DTYPE)
 
 
 # ---- training: one process, and under smp -----------------------------------------------------
@@ -646,8 +683,16 @@ def _compare_state(got: Dict[str, Any], want: Dict[str, Any], tol: float) -> Lis
 
 
 def run_case(case: Case, timeout: float = 120) -> List[str]:
-    from smshim.testing import run_ranks
+    from smshim.testing import RankFailure, run_ranks
 
+    if "two" in _nested(case):  # a placement smp refuses, on every rank, saying why
+        try:
+            run_ranks(train_smp, case.pp * case.dp, case, timeout=timeout, env=case.env)
+        except RankFailure as e:
+            if "cannot call modules on other ranks in turn" in str(e):
+                return []
+            raise
+        return ["a module on pp rank 0 nested in another rank's called a third: no error"]
     return compare(case, run_ranks(train_smp, case.pp * case.dp, case, timeout=timeout,
                                    env=case.env))
 

@@ -61,3 +61,42 @@ def test_every_module_is_assigned_and_submodules_follow_their_block():
     assert set(a) == {n for n, _ in model.named_modules()}
     for i in range(4):
         assert a[f"blocks.{i}.lin"] == a[f"blocks.{i}"] == a[f"blocks.{i}.norm"]
+
+
+class _Leaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+
+class _Mid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Leaf()
+
+
+class _Top(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.outer = nn.Module()
+        self.outer.mid = _Mid()
+
+
+def test_a_module_on_pp_rank_0_nested_in_another_ranks_may_not_call_a_third_rank():
+    from smshim.modelparallel.torch.errors import SMPValidationError
+    from smshim.modelparallel.torch.partitioner import manual_assignment, set_partition
+
+    top = _Top()
+    set_partition(top.outer, 1)
+    set_partition(top.outer.mid, 0)
+    set_partition(top.outer.mid.inner, 2)
+    try:
+        manual_assignment(top, 3, 0)
+    except SMPValidationError as e:
+        msg = str(e)
+        assert "'outer.mid' is on pp rank 0 inside 'outer' (pp rank 1)" in msg, msg
+        assert "'outer.mid.inner' is on pp rank 2" in msg and "set_partition" in msg, msg
+    else:
+        raise AssertionError("no error for a call chain rank 1 -> 0 -> 2")
+    set_partition(top.outer.mid.inner, 0)  # rank 1 -> 0 only: fine
+    assert manual_assignment(top, 3, 0)["outer.mid.inner"] == 0

@@ -37,5 +37,6 @@ def test_the_seeds_cover_the_features_that_matter():
               "loss:step", "return_hidden", "return_int", "deterministic", "glue:item_if",
               "glue:bool_if", "glue:inplace", "fuse:dict", "kind:outer", "kind:gather",
               "kind:frozen", "kind:aux", "kind:listin", "env:SMSHIM_PREDICT",
-              "env:SMSHIM_FUSED_WGRAD", "nested_call", "nested_call:dp2"}
+              "env:SMSHIM_FUSED_WGRAD", "nested_call", "nested_call:dp2",
+              "nested_call_through_pp_rank_0", "kind:deep"}
     assert wanted <= covered, sorted(wanted - covered)

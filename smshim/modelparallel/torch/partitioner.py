@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module_mod
 
-from .errors import InvalidPartitionIDError
+from .errors import InvalidPartitionIDError, SMPValidationError
 from .state import state
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,34 @@ def manual_assignment(root: nn.Module, pp_size: int, default_partition: int) -> 
         pid = 0 if m is root else _marks.get(m, default_partition)
         _check_id(pid, pp_size)
         out[name] = pid
-    return _tie_fixup(root, out, order=None)
+    out = _tie_fixup(root, out, order=None)
+    _check_nesting(out)
+    return out
+
+
+def _check_nesting(assignment: Dict[str, int]) -> None:
+    """A module on another rank than 0 may call modules on other ranks from inside its forward
+    (a nested call), pp_rank 0's included; but a module on pp_rank 0 called so may not call on
+    to modules on other ranks in turn (pp_rank 0 sends its calls as asynchronous handles, which
+    a nested call's caller cannot follow)."""
+    for inner0, rank in assignment.items():
+        if rank != 0 or not inner0:
+            continue
+        parts = inner0.split(".")
+        outer = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                      if assignment.get(".".join(parts[:i]), 0) != 0), None)
+        if outer is None:
+            continue
+        deeper = next((n for n, r in assignment.items()
+                       if n.startswith(inner0 + ".") and r != 0), None)
+        if deeper is not None:
+            raise SMPValidationError(
+                f"manual partition: module '{inner0}' is on pp rank 0 inside '{outer}' (pp rank "
+                f"{assignment[outer]}), and its descendant '{deeper}' is on pp rank "
+                f"{assignment[deeper]}: a module on pp rank 0 called from inside a module on "
+                "another rank cannot call modules on other ranks in turn. Place "
+                f"'{inner0}' on pp rank {assignment[outer]}, or '{deeper}' on pp rank 0 "
+                "(smp.set_partition)")
 
 
 # ---- tracing --------------------------------------------------------------------------------

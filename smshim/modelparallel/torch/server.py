@@ -785,7 +785,11 @@ class ModuleServer:
             out_template, outs = flatten(out)
             if caller != self.me:
                 # A region's results leave this rank as values (handles live on pp_rank 0 only).
-                outs = [self._real(t) for t in outs]
+                # A handle that is part of the graph (a lazy sum of a call's output and a value,
+                # say) is read through its dispatch (`clone`), which keeps it there: its raw
+                # value would cut the backward off from the module's parameters.
+                outs = [t.clone() if isinstance(t, RemoteTensor) and t.requires_grad
+                        else self._real(t) for t in outs]
             out_rg = [grad_enabled and t.requires_grad for t in outs]
             if any(out_rg):
                 with self._cond:
