@@ -103,6 +103,21 @@ def manual_assignment(root: nn.Module, pp_size: int, default_partition: int) -> 
     return out
 
 
+def _ancestors(name: str) -> Iterator[str]:
+    """The names of a module's ancestors below the root, nearest first."""
+    while "." in name:
+        name = name.rpartition(".")[0]
+        yield name
+
+
+def nested_call_edges(assignment: Dict[str, int]) -> set:
+    """(caller, callee) pp ranks of the calls a module on a rank other than 0 may make from
+    inside its forward: to a descendant placed on another rank."""
+    return {(caller, callee) for name, callee in assignment.items()
+            for caller in (assignment.get(a, 0) for a in _ancestors(name))
+            if caller not in (0, callee)}
+
+
 def _check_nesting(assignment: Dict[str, int]) -> None:
     """A module on another rank than 0 may call modules on other ranks from inside its forward
     (a nested call), pp_rank 0's included; but a module on pp_rank 0 called so may not call on
@@ -111,9 +126,7 @@ def _check_nesting(assignment: Dict[str, int]) -> None:
     for inner0, rank in assignment.items():
         if rank != 0 or not inner0:
             continue
-        parts = inner0.split(".")
-        outer = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
-                      if assignment.get(".".join(parts[:i]), 0) != 0), None)
+        outer = next((a for a in _ancestors(inner0) if assignment.get(a, 0) != 0), None)
         if outer is None:
             continue
         deeper = next((n for n, r in assignment.items()

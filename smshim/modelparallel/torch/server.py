@@ -70,6 +70,7 @@ import torch.nn as nn
 
 from . import autocast_state, weight_grad
 from .errors import FwdExecutionNotInStepFnError, SMPRuntimeError
+from .partitioner import nested_call_edges
 from .remote_tensor import RemoteTensor, _Cell
 from .run_queue import RunQueue
 from .scheduler import BACKWARD, FORWARD, ComputeLock, Schedule
@@ -231,7 +232,7 @@ class ModuleServer:
         # Nested calls: the ranks whose modules this rank's may call from inside (a module of
         # this rank with a descendant elsewhere), the ranks that may call this one's so, and
         # those of them that said they are done with the step (NESTED_DONE; under _cond).
-        edges = _nested_call_edges(assignment)
+        edges = nested_call_edges(assignment)
         self._nested_callees = {b for a, b in edges if a == pp_rank}
         self._nested_callers = {a for a, b in edges if b == pp_rank}
         self._nested_done: set = set()
@@ -1003,7 +1004,7 @@ class ModuleServer:
         # running: their values and graphs stay until the step's end (finish_nested).
         if mb in self._mb_done and self._requests[mb] <= 0:
             self.store.drop_microbatch(mb, keep=_nested_key)
-            for key in [k for k, saved in self._saved.items() if saved[2] == mb and k[0] == 0]:
+            for key in [k for k, saved in self._saved.items() if saved[2] == mb and not _nested_key(k)]:
                 del self._saved[key]
             self._graphs[mb] = 0
             self._live.discard(mb)
@@ -1153,19 +1154,6 @@ _PREFETCH_NUMEL = 64
 
 # Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
 _IDLE_PRIORITY = (2, 0)
-
-
-def _nested_call_edges(assignment: Dict[str, int]) -> set:
-    """(caller, callee) pp ranks of the calls a module on a rank other than 0 may make from
-    inside its forward: to a descendant placed on another rank."""
-    edges = set()
-    for name, callee in assignment.items():
-        parts = name.split(".") if name else []
-        for i in range(1, len(parts)):
-            caller = assignment.get(".".join(parts[:i]), 0)
-            if caller not in (0, callee):
-                edges.add((caller, callee))
-    return edges
 
 
 def _nested_key(key) -> bool:
