@@ -829,7 +829,7 @@ class ModuleServer:
                 if pairs:
                     with self.timeline.span(name or "<root>", "backward", microbatch=mb,
                                             step=step, caller=caller):
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                        _run_backward([o for o, _ in pairs], [g for _, g in pairs])
                 in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
                             if t.requires_grad else None for t in inputs]
                 if deliver is not None:
@@ -1187,6 +1187,15 @@ def _needs(msg: Message) -> List[Any]:
         for e in msg.meta[0]:
             refs(e)
     return keys
+
+
+def _run_backward(outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """`torch.autograd.backward` without its argument checks, which cost a fifth of a small
+    module's backward (~30 µs of ~150): the gradients come from the caller's autograd, shaped and
+    typed by these outputs' metadata, and always given."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True,
+        accumulate_grad=True)
 
 
 def _expectation(out_template: Any, metas) -> bytes:
