@@ -100,3 +100,81 @@ def test_a_module_on_pp_rank_0_nested_in_another_ranks_may_not_call_a_third_rank
         raise AssertionError("no error for a call chain rank 1 -> 0 -> 2")
     set_partition(top.outer.mid.inner, 0)  # rank 1 -> 0 only: fine
     assert manual_assignment(top, 3, 0)["outer.mid.inner"] == 0
+
+
+class _TiedHead(nn.Module):
+    """Owns a weight tied to the embedding, and a child of its own."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.weight = embed.weight
+        self.norm = nn.LayerNorm(embed.embedding_dim)
+
+    def forward(self, h):
+        return self.norm(h) @ self.weight.t()
+
+
+class _Body(nn.Module):
+    def __init__(self, embed: nn.Embedding, n: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(embed.embedding_dim) for _ in range(n)])
+        self.head = _TiedHead(embed)
+
+    def forward(self, h):
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class _TiedInsideBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.body = _Body(self.embed)
+
+    def forward(self, tok):
+        return self.body(self.embed(tok))
+
+
+def test_the_automatic_partition_refuses_a_tied_module_pulled_to_pp_rank_0_inside_another_rank():
+    # The body goes to pp rank 1, its tied head follows the embedding to pp rank 0, and the
+    # head's norm stays on 1: pp rank 1 -> 0 -> 1, which the engine cannot follow.
+    from smshim.modelparallel.torch.errors import SMPValidationError
+
+    model = _TiedInsideBody()
+    try:
+        a = _assign(model, torch.randint(0, 32, (2, 6)), 2)
+    except SMPValidationError as e:
+        msg = str(e)
+        assert msg.startswith("automatic partition: module 'body.head' is on pp rank 0 (it "
+                              "shares a parameter with a module there) inside 'body' (pp rank 1)"), msg
+        assert "'body.head.norm' is on pp rank 1" in msg and "auto_partition: False" in msg, msg
+    else:
+        raise AssertionError(f"no error for a call chain rank 1 -> 0 -> 1: {a}")
+
+
+class _TiedInList(nn.Module):
+    """The output projection, tied to the embedding, is the last member of the body's ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.body = nn.Module()
+        self.body.layers = nn.ModuleList([Block(16) for _ in range(3)] + [nn.Linear(16, 32)])
+        self.body.layers[3].weight = self.embed.weight
+        self.body.forward = self._body
+
+    def _body(self, h):
+        for layer in self.body.layers[:3]:
+            h = layer(h)
+        return self.body.layers[3](h)
+
+    def forward(self, tok):
+        return self.body(self.embed(tok))
+
+
+def test_a_tied_module_pulled_to_pp_rank_0_that_calls_nothing_further_is_fine():
+    # pp rank 1's body calls the projection on pp rank 0 (a nested call), which calls nothing.
+    a = _assign(_TiedInList(), torch.randint(0, 32, (2, 6)), 2)
+    assert a["body"] == a["body.layers"] == a["body.layers.0"] == 1, a
+    assert a["body.layers.3"] == a["embed"] == 0, a

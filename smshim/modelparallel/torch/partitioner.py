@@ -118,11 +118,13 @@ def nested_call_edges(assignment: Dict[str, int]) -> set:
             if caller not in (0, callee)}
 
 
-def _check_nesting(assignment: Dict[str, int]) -> None:
+def _check_nesting(assignment: Dict[str, int], auto: bool = False) -> None:
     """A module on another rank than 0 may call modules on other ranks from inside its forward
     (a nested call), pp_rank 0's included; but a module on pp_rank 0 called so may not call on
     to modules on other ranks in turn (pp_rank 0 sends its calls as asynchronous handles, which
-    a nested call's caller cannot follow)."""
+    a nested call's caller cannot follow). The automatic partition places a module's children
+    on its own rank or later ones, so it produces such a placement only when a module that
+    shares a parameter with one on pp_rank 0 follows it there (`_tie_fixup`)."""
     for inner0, rank in assignment.items():
         if rank != 0 or not inner0:
             continue
@@ -132,13 +134,17 @@ def _check_nesting(assignment: Dict[str, int]) -> None:
         deeper = next((n for n, r in assignment.items()
                        if n.startswith(inner0 + ".") and r != 0), None)
         if deeper is not None:
+            why = (" (it shares a parameter with a module there)" if auto else "")
+            fix = ("partition it by hand (auto_partition: False, smp.set_partition) with "
+                   f"'{deeper}' on pp rank 0 like '{inner0}'" if auto else
+                   f"place '{inner0}' on pp rank {assignment[outer]}, or '{deeper}' on pp rank 0 "
+                   "(smp.set_partition)")
             raise SMPValidationError(
-                f"manual partition: module '{inner0}' is on pp rank 0 inside '{outer}' (pp rank "
-                f"{assignment[outer]}), and its descendant '{deeper}' is on pp rank "
-                f"{assignment[deeper]}: a module on pp rank 0 called from inside a module on "
-                "another rank cannot call modules on other ranks in turn. Place "
-                f"'{inner0}' on pp rank {assignment[outer]}, or '{deeper}' on pp rank 0 "
-                "(smp.set_partition)")
+                f"{'automatic' if auto else 'manual'} partition: module '{inner0}' is on pp "
+                f"rank 0{why} inside '{outer}' (pp rank {assignment[outer]}), and its "
+                f"descendant '{deeper}' is on pp rank {assignment[deeper]}: a module on pp rank "
+                "0 called from inside a module on another rank cannot call modules on other "
+                f"ranks in turn. To train this model, {fix}")
 
 
 # ---- tracing --------------------------------------------------------------------------------
@@ -333,7 +339,9 @@ def auto_assignment(root: nn.Module, trace: Trace, pp_size: int, memory_weight: 
         if name not in out:
             members = [f"{name}.{c}" for c, _ in m.named_children()]
             out[name] = min((out[c] for c in members if c in out), default=0)
-    return _tie_fixup(root, out, order=lambda n: order_of(n))
+    out = _tie_fixup(root, out, order=lambda n: order_of(n))
+    _check_nesting(out, auto=True)
+    return out
 
 
 def _tie_fixup(root: nn.Module, assignment: Dict[str, int], order) -> Dict[str, int]:
