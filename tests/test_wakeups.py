@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from smshim.modelparallel.torch.scheduler import FORWARD, ComputeLock
-from smshim.modelparallel.torch.server import ModuleServer, ctx
+from smshim.modelparallel.torch.server import ModuleServer
 from smshim.modelparallel.torch.timeline import Timeline
 from smshim.modelparallel.torch.transport import PipelineError
 from smshim.modelparallel.torch.value_store import ValueStore
@@ -126,41 +126,39 @@ def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
     order = []
 
     def body(mb):
-        ctx.driver = True
-        server._wait_turn(server._fwd_turns, mb, f"forward of microbatch {mb}")
+        server.turns.wait(FORWARD, mb, f"forward of microbatch {mb}")
         order.append(mb)
 
     threads = [threading.Thread(target=body, args=(mb,), daemon=True) for mb in (1, 2, 3)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(server._turn_waiters) == 3)
+    wait_until(lambda: len(server.turns._waiters) == 3)
     woken.clear()  # (starting a thread sets an event too)
-    server.turn_done(FORWARD, 0)
+    server.turns.done(FORWARD, 0)
     threads[0].join(5)
     assert order == [1]
     assert len(woken) == 1  # microbatches 2 and 3 slept on
-    assert [mb for _, mb, _ in server._turn_waiters] == [2, 3]
-    server.turn_done(FORWARD, 1)
+    assert [mb for _, mb, _ in server.turns._waiters] == [2, 3]
+    server.turns.done(FORWARD, 1)
     threads[1].join(5)
-    server.turn_done(FORWARD, 2)
+    server.turns.done(FORWARD, 2)
     for t in threads:
         t.join(5)
-    assert order == [1, 2, 3] and not server._turn_waiters
+    assert order == [1, 2, 3] and not server.turns._waiters
 
 
 def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
     errors = []
 
     def body():
-        ctx.driver = True
         try:
-            server._wait_turn(server._fwd_turns, 2, "forward of microbatch 2")
+            server.turns.wait(FORWARD, 2, "forward of microbatch 2")
         except PipelineError as e:
             errors.append(str(e))
 
     t = threading.Thread(target=body, daemon=True)
     t.start()
-    wait_until(lambda: len(server._turn_waiters) == 1)
+    wait_until(lambda: len(server.turns._waiters) == 1)
     t0 = time.monotonic()
     server.transport.error = RuntimeError("pp rank 1 died")
     server.wake_all(server.transport.error)

@@ -166,9 +166,9 @@ class Pipeline:
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
                 ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
-                self.server.backward_begun(mb)  # (if it never called model.backward)
-                self.server.turn_done(FORWARD, mb)
-                self.server.turn_done(BACKWARD, mb)
+                self.server.turns.backward_begun(mb)  # (if it never called model.backward)
+                self.server.turns.done(FORWARD, mb)
+                self.server.turns.done(BACKWARD, mb)
                 with self._cond:
                     self._finished += 1
                     self._backward_over_locked(mb)
@@ -243,13 +243,15 @@ class Pipeline:
                         "finished (does every microbatch call model.backward?)")
                 self._backward_gate.wait(timeout=1.0)
         if schedule.backwards_begin_in_order:
-            self.server.wait_backward_begun(mb)
+            self.server.turns.wait_backward_begun(mb, (
+                f"backward of microbatch {mb} (step {ctx.step}; the {schedule.name} schedule "
+                "begins backwards in microbatch order)"))
         # The root's own glue runs lock-free; its modules take the compute lock in their regions
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
-        self.server.backward_begun(mb)  # (if it called no module)
+        self.server.turns.backward_begun(mb)  # (if it called no module)
         self.transport.flush()
-        self.server.turn_done(BACKWARD, mb)
+        self.server.turns.done(BACKWARD, mb)
         with self._cond:
             self._backward_over_locked(mb)
 
@@ -258,7 +260,7 @@ class Pipeline:
         if ctx.forward_done:
             return
         ctx.forward_done = True
-        self.server.turn_done(FORWARD, mb)
+        self.server.turns.done(FORWARD, mb)
         self.server.forward_done(mb)
         # Only the bodies at the gate wait on the count (the caller's thread admits microbatches
         # by backwards finished, not forwards done).

@@ -42,7 +42,7 @@ the last (no hand-off between threads), and keeps its place in the compute lock 
 forward the schedule does not admit yet stays queued until it is. Results for other ranks are
 sent (small ones) or queued before the lock is given up. On pp_rank 0 the next microbatch's turn
 at its own modules comes as soon as this one has run as many of them as a microbatch does, not
-when its glue code (which sends the calls to the other stages) is over.
+when its glue code (which sends the calls to the other stages) is over (turns.py).
 Each rank's linear layers keep what their weight gradients need and a thread computes them when
 nothing else waits for the compute lock (weight_grad.py: off the critical path, in the
 pipeline's bubbles); the step's end computes what is left and hands them over as `.grad` before
@@ -79,6 +79,7 @@ from .structure import fill, flatten
 from .timeline import Timeline
 from .transport import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, NESTED_DONE,
                         SEND_TO, STEP_END, VALUE, Message, PipelineError, Transport)
+from .turns import Turns
 from .value_store import ValueStore
 from .workers import adopt_intra_op_threads
 
@@ -210,17 +211,8 @@ class ModuleServer:
         self._admitted: set = set()
         self._live: set = set()
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
-        self._fwd_turns: set = set()  # pp_rank 0: microbatches whose forward (backward) is over
-        self._bwd_turns: set = set()
-        self._bwd_begun: set = set()  # pp_rank 0: microbatches whose backward made its first call
-        # pp_rank 0: bodies waiting in _wait_turn, (set, microbatch, event): an entry added to a
-        # set wakes only the body whose turn it completes, not every body waiting (_cond's
-        # notify_all would wake all of them, each costing a thread switch and a turn at the GIL).
-        self._turn_waiters: List[tuple] = []
-        # pp_rank 0: its own modules a microbatch ran, by (direction, microbatch), and how many
-        # a microbatch runs in all (learned from microbatches whose code for it was over).
-        self._own_runs: collections.Counter = collections.Counter()
-        self._own_per_mb = {FORWARD: 0, BACKWARD: 0}
+        # pp_rank 0: the step bodies' turns at its own modules.
+        self.turns = Turns(timeout_s, lambda: self.transport.check())
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
         self._backwards_running = 0
@@ -375,8 +367,7 @@ class ModuleServer:
         self.lock.clear_places()
         with self._cond:
             self._cond.notify_all()
-            for _, _, event in self._turn_waiters:
-                event.set()
+        self.turns.wake_all()
         self.step_end.put(Message("error", meta=str(exc)))
 
     def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int) -> None:
@@ -449,12 +440,13 @@ class ModuleServer:
         if call.owner == self.me:  # a local region: the same path, without the network
             self.transport.flush()  # held calls to other stages go before this one computes
             values = [self._real(t) for t in tensors]
-            self._wait_turn(self._fwd_turns, call.microbatch, call.what("forward"))
+            if ctx.driver:
+                self.turns.wait(FORWARD, call.microbatch, call.what("forward"))
             call.call_id = next(self._ids)
             out_template, outs, out_rg = self._execute_forward(
                 self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
                 values, call.requires, grad_enabled)
-            self._own_run(FORWARD, call.microbatch)
+            self.turns.ran(FORWARD, call.microbatch)
             call.out_template, call.out_requires_grad = out_template, out_rg
             return [t.detach() for t in outs]
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
@@ -507,10 +499,11 @@ class ModuleServer:
             self._note_backward_begun(call.microbatch)
             self.transport.flush()
             values = [None if g is None else self._real(g) for g in grads]
-            self._wait_turn(self._bwd_turns, call.microbatch, call.what("backward"))
+            if ctx.driver:
+                self.turns.wait(BACKWARD, call.microbatch, call.what("backward"))
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
                                               call.microbatch, values)
-            self._own_run(BACKWARD, call.microbatch)
+            self.turns.ran(BACKWARD, call.microbatch)
             return in_grads + [None] * (n - len(in_grads))
         sync = self.me != 0
         enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)
@@ -869,84 +862,9 @@ class ModuleServer:
     def _priority(self, kind: str, mb: int):
         return self.schedule.priority(kind, mb) if self.schedule else (0, mb)
 
-    # pp_rank 0's own modules run microbatch after microbatch ----------------------------
-    def _wait_turn(self, done: set, mb: int, what: str, their: str = "finish") -> None:
-        """On pp_rank 0, a module of microbatch `mb` (called by the step body's glue code) waits
-        until every earlier microbatch has finished that direction here: stage 0 then runs one
-        microbatch's forward (backward) through all its modules before the next one's, as a
-        pipeline stage should, instead of interleaving them module by module and so delaying
-        every later stage. (Any wait of a body for the earlier microbatches to be in `done`:
-        `their` says what they did not do, for the error.)"""
-        if not ctx.driver:
-            return
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            if _turn_come(done, mb):
-                return
-            event = threading.Event()
-            waiter = (done, mb, event)
-            self._turn_waiters.append(waiter)
-        try:
-            while True:
-                event.wait(timeout=1.0)
-                with self._cond:
-                    if _turn_come(done, mb):
-                        return
-                    event.clear()  # (an entry added after this check sets it again)
-                self.transport.check()
-                if time.monotonic() > deadline:
-                    raise PipelineError(f"pp rank 0 waited {self.timeout_s:.0f} s to run the {what}:"
-                                        f" earlier microbatches {sorted(set(range(mb)) - done)} "
-                                        f"did not {their} theirs")
-        finally:
-            with self._cond:
-                self._turn_waiters.remove(waiter)
-
-    def _turn_added_locked(self, done: set) -> None:
-        """(under _cond) An entry was added to `done`: wake the bodies whose turn it was."""
-        for waiting_on, mb, event in self._turn_waiters:
-            if waiting_on is done and _turn_come(done, mb):
-                event.set()
-
     def _note_backward_begun(self, mb: int) -> None:
-        if ctx.driver and mb not in self._bwd_begun:
-            self.backward_begun(mb)
-
-    def backward_begun(self, mb: int) -> None:
-        """pp_rank 0: microbatch `mb`'s backward has made its first call (queued its first
-        request: messages to a peer leave in the order they were queued), or will make none."""
-        with self._cond:
-            self._bwd_begun.add(mb)
-            self._turn_added_locked(self._bwd_begun)
-
-    def wait_backward_begun(self, mb: int) -> None:
-        """pp_rank 0, schedules whose backwards begin in microbatch order: microbatch `mb`'s
-        backward waits until every earlier one's has begun."""
-        self._wait_turn(self._bwd_begun, mb, f"backward of microbatch {mb} (step {ctx.step}; the "
-                        f"{self.schedule.name} schedule begins backwards in microbatch order)",
-                        their="begin")
-
-    def turn_done(self, direction: str, mb: int) -> None:
-        """pp_rank 0: microbatch `mb`'s forward (backward) code is over here."""
-        with self._cond:
-            self._own_per_mb[direction] = max(self._own_per_mb[direction],
-                                              self._own_runs[(direction, mb)])
-            self._next_turn_locked(direction, mb)
-
-    def _next_turn_locked(self, direction: str, mb: int) -> None:
-        """Microbatch `mb` is done with `direction` here: the next one's turn (under _cond)."""
-        done = self._fwd_turns if direction == FORWARD else self._bwd_turns
-        done.add(mb)
-        self._turn_added_locked(done)
-
-    def _own_run(self, direction: str, mb: int) -> None:
-        """pp_rank 0 ran one of its own modules for microbatch `mb`. Once it has run as many as
-        a microbatch runs here, the next microbatch's turn comes: it starts computing while
-        this one's remaining glue code (the calls it sends to the other stages) runs."""
-        with self._cond:
-            self._own_runs[(direction, mb)] += 1
-            if 0 < self._own_per_mb[direction] <= self._own_runs[(direction, mb)]:
-                self._next_turn_locked(direction, mb)
+        if ctx.driver and not self.turns.has_begun(mb):
+            self.turns.backward_begun(mb)
 
     # Admission (interleaved: bounded activations per rank) ---------------------------------
     def _admit(self, mb: int, step: int) -> None:
@@ -1019,13 +937,13 @@ class ModuleServer:
         self.lock.clear_places()  # (none are left but after a failed step)
         with self._cond:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
-                      self._fwd_turns, self._bwd_turns, self._bwd_begun, self._nested_done):
+                      self._nested_done):
                 s.clear()
-            for c in (self._requests, self._forwards, self._graphs, self._regions_done,
-                      self._own_runs):
+            for c in (self._requests, self._forwards, self._graphs, self._regions_done):
                 c.clear()
             self._turn = 0
             self._tickets = itertools.count()
+        self.turns.reset()
         self.store.reset_error()
 
     def wait_idle(self, step: int) -> None:
@@ -1159,11 +1077,6 @@ _IDLE_PRIORITY = (2, 0)
 def _nested_key(key) -> bool:
     """A value of a call made by another rank than pp_rank 0 (keys start with the caller)."""
     return key[0] != 0
-
-
-def _turn_come(done: set, mb: int) -> bool:
-    """Has every microbatch before `mb` reached `done`?"""
-    return len(done) >= mb and all(j in done for j in range(mb))
 
 
 def _needs(msg: Message) -> List[Any]:
