@@ -719,17 +719,10 @@ class ModuleServer:
         grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         ticket = getattr(msg, "ticket", None)
         if ticket is not None:
-            deadline = time.monotonic() + self.timeout_s
-            with self._cond:
-                while self._turn != ticket:
-                    self._runq.step_down()
-                    self._cond.wait(timeout=1.0)
-                    self.transport.check()
-                    if time.monotonic() > deadline:
-                        raise PipelineError(
-                            f"pp rank {self.me} waited {self.timeout_s:.0f} s to run the "
-                            f"{self._what(msg, 'backward')} in its turn (deterministic_server: "
-                            f"backward {ticket} of the step here, at {self._turn})")
+            self._wait_until(lambda: self._turn == ticket, lambda: (
+                f"pp rank {self.me} waited {self.timeout_s:.0f} s to run the "
+                f"{self._what(msg, 'backward')} in its turn (deterministic_server: backward "
+                f"{ticket} of the step here, at {self._turn})"), step_down=True)
 
         def deliver(in_grads) -> None:
             for i, g in enumerate(in_grads):
@@ -922,7 +915,8 @@ class ModuleServer:
         # running: their values and graphs stay until the step's end (finish_nested).
         if mb in self._mb_done and self._requests[mb] <= 0:
             self.store.drop_microbatch(mb, keep=_nested_key)
-            for key in [k for k, saved in self._saved.items() if saved[2] == mb and not _nested_key(k)]:
+            for key in [k for k, saved in self._saved.items()
+                        if saved[2] == mb and not _nested_key(k)]:
                 del self._saved[key]
             self._graphs[mb] = 0
             self._live.discard(mb)
@@ -948,9 +942,9 @@ class ModuleServer:
 
     def wait_idle(self, step: int) -> None:
         """Wait until every request received for the step has been served."""
-        self._wait_until(lambda: not any(n > 0 for n in self._requests.values()), step, lambda: (
-            "for its requests to finish (requests left by microbatch: "
-            f"{ {mb: n for mb, n in self._requests.items() if n > 0} })"))
+        self._wait_until(lambda: not any(n > 0 for n in self._requests.values()), lambda: (
+            f"{self._waited_at_end(step)} for its requests to finish (requests left by "
+            f"microbatch: { {mb: n for mb, n in self._requests.items() if n > 0} })"))
 
     def has_nested_callers(self) -> bool:
         """May a peer call this rank's modules from inside one of its own?"""
@@ -969,20 +963,28 @@ class ModuleServer:
         self.transport.flush()
         if not self._nested_callers:
             return
-        self._wait_until(lambda: self._nested_callers <= self._nested_done, step, lambda: (
-            f"for pp ranks {sorted(self._nested_callers - self._nested_done)}, whose modules "
-            "call this rank's from inside, to finish the step"))
+        self._wait_until(lambda: self._nested_callers <= self._nested_done, lambda: (
+            f"{self._waited_at_end(step)} for pp ranks "
+            f"{sorted(self._nested_callers - self._nested_done)}, whose modules call this "
+            "rank's from inside, to finish the step"))
         self.wait_idle(step)
 
-    def _wait_until(self, done: Callable[[], bool], step: int, what: Callable[[], str]) -> None:
-        """(Under no lock.) Wait, bounded by the timeout, until `done()` (checked under _cond)."""
+    def _waited_at_end(self, step: int) -> str:
+        return f"pp rank {self.me} waited {self.timeout_s:.0f} s at the end of step {step}"
+
+    def _wait_until(self, done: Callable[[], bool], error: Callable[[], str],
+                    step_down: bool = False) -> None:
+        """(Under no lock.) Wait, bounded by the timeout, until `done()` (checked under _cond);
+        else fail the pipeline with `error()`. `step_down`: the thread runs a request, and what
+        it waits for may be queued behind it (RunQueue.step_down)."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while not done():
+                if step_down:
+                    self._runq.step_down()
                 self.transport.check()
                 if time.monotonic() > deadline:
-                    err = PipelineError(f"pp rank {self.me} waited {self.timeout_s:.0f} s at the "
-                                        f"end of step {step} {what()}")
+                    err = PipelineError(error())
                     self.transport.fail(err)
                     raise err
                 self._cond.wait(timeout=1.0)
