@@ -106,7 +106,7 @@ def _compare_ddp(torch, dist, build: Callable, steps: int, warmup: int) -> Dict[
 
 
 def _reduction(torch, dist, steps: int, warmup: int) -> Dict[str, Any]:
-    from smshim._reducer import GradReducer
+    from smshim.reducer.grad_reducer import GradReducer
 
     net, _, _ = _mlp(torch)
     params = list(net.parameters())
@@ -179,7 +179,7 @@ def _rank_main(steps: int, warmup: int) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from smshim import _runtime
+    from smshim.runtime import launch as _runtime
 
     _runtime.init_distributed()
     torch.set_num_threads(1)

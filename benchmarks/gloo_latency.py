@@ -34,7 +34,7 @@ def _one_way(messages: int, gap_s: float, in_thread: bool):
     import torch
     import torch.distributed as dist
 
-    from smshim import _runtime
+    from smshim.runtime import launch as _runtime
 
     torch.set_num_threads(1)
     _runtime.init_distributed()
@@ -71,7 +71,7 @@ def _both_ways(messages: int, gap_s: float, per_direction: bool):
     import torch
     import torch.distributed as dist
 
-    from smshim import _runtime
+    from smshim.runtime import launch as _runtime
 
     torch.set_num_threads(1)
     _runtime.init_distributed()

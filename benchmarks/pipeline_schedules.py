@@ -113,7 +113,7 @@ def _torch_pipelining(p, m, tf, steps, schedule):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from smshim import _runtime
+    from smshim.runtime import launch as _runtime
 
     _runtime.init_distributed()
     rank = dist.get_rank()

@@ -147,8 +147,8 @@ def _breakdown(size: str, rounds: int) -> Dict[str, float]:
     time) to the step without it. Measured inside whole steps on purpose: Python code runs slower
     right after the compute has evicted the caches than in a tight loop of its own."""
     import smdistributed.modelparallel.torch as smp
-    from smshim.modelparallel.torch.microbatch import join_step_outputs, split_step_inputs
-    from smshim.modelparallel.torch.server import ctx
+    from smshim.modelparallel.torch.pipeline.microbatch import join_step_outputs, split_step_inputs
+    from smshim.modelparallel.torch.pipeline.context import ctx
     from smshim.modelparallel.torch.state import state
 
     d_in, hidden, layers, classes, batch = SIZES[size]

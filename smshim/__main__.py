@@ -1,3 +1,3 @@
-from smshim.cli import main
+from smshim.launcher.cli import main
 
 main()

@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from smshim._runtime import free_port, teardown
+from smshim.runtime.launch import free_port, teardown
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -99,7 +99,7 @@ def _job(kind, cfg, marks, manual=None, steps=3, batch=8):
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logging.getLogger("smshim.modelparallel.torch.activation_checkpointing").addHandler(Catch())
+    logging.getLogger("smshim.modelparallel.torch.pipeline.activation_checkpointing").addHandler(Catch())
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
     for name, pid in (manual or {}).items():

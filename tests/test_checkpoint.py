@@ -76,7 +76,7 @@ def _job_a(d):
     import importlib
 
     # (smp.checkpoint is the activation-checkpointing function; the module is checkpoint.py)
-    checkpoint = importlib.import_module("smshim.modelparallel.torch.checkpoint")
+    checkpoint = importlib.import_module("smshim.modelparallel.torch.checkpointing.checkpoint")
 
     out = {}
     train(DATA[:1])

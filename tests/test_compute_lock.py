@@ -4,7 +4,7 @@ come (Schedule.forwards_keep_place) holds back larger priorities until that work
 import threading
 import time
 
-from smshim.modelparallel.torch.scheduler import ComputeLock
+from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
 
 
 def _run(lock, priority, log, name, place=None):

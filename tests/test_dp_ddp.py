@@ -135,7 +135,7 @@ def test_mismatched_parameters_raise_on_every_rank():
 
 
 def _unused(find_unused: bool, world_size_one: bool):
-    from smshim._reducer import GradReducer
+    from smshim.reducer.grad_reducer import GradReducer
     from smshim.dataparallel.torch import distributed as dist
     from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
 
@@ -249,7 +249,7 @@ def test_world_size_one_trains_and_checks_unused():
 
 def _world_one_no_comm():
     """world size 1 sends nothing: a process group whose collectives fail proves it."""
-    from smshim._reducer import GradReducer
+    from smshim.reducer.grad_reducer import GradReducer
     from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
 
     os.environ.pop("RANK"), os.environ.pop("WORLD_SIZE")
@@ -279,7 +279,7 @@ def _reducer_variants(view: bool, hook: str, big: bool = False):
     import torch.distributed as tdist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from smshim._reducer import GradReducer
+    from smshim.reducer.grad_reducer import GradReducer
     from smshim.dataparallel.torch import distributed as dist
 
     dist.init_process_group()
@@ -363,7 +363,7 @@ def test_reducer_modes_large_tensors(view, hook):
 
 
 def _edge_cases():
-    from smshim._reducer import GradReducer
+    from smshim.reducer.grad_reducer import GradReducer
     from smshim.dataparallel.torch import distributed as dist
     from smshim.dataparallel.torch.parallel import DistributedDataParallel as DDP
 

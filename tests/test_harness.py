@@ -34,7 +34,7 @@ def _collective_with_dead_peer():
     # Rank 1 raises before the collective; rank 0 blocks in it. The harness must not wait.
     import torch
     import torch.distributed as dist
-    from smshim import _runtime
+    from smshim.runtime import launch as _runtime
 
     _runtime.init_distributed()
     if dist.get_rank() == 1:

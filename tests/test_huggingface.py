@@ -106,7 +106,7 @@ def test_transformers_smp_calls_pipeline_a_gpt2_like_single_process():
 
 def _gpt2_split_by_hand(steps):
     import smdistributed.modelparallel.torch as smp
-    from smshim.modelparallel.torch import weight_grad
+    from smshim.modelparallel.torch.pipeline import weight_grad
 
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "auto_partition": False,

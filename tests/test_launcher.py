@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from smshim._sagemaker import (DistributionError, container_hyperparameters, hyperparameter_args,
+from smshim.launcher.sagemaker_env import (DistributionError, container_hyperparameters, hyperparameter_args,
                                parse_distribution)
 from smshim.testing import run_command
 
@@ -117,7 +117,7 @@ def test_hyperparameter_args_follow_the_toolkit():
 
 
 def _config(argv, monkeypatch):
-    from smshim import cli
+    from smshim.launcher import cli
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() exports the job's variables
     return cli.prepare(cli._parser().parse_args(["run", *argv, DUMP]))[0]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from smshim.modelparallel.torch.errors import TensorSplitError
-from smshim.modelparallel.torch.microbatch import StepOutput, join_step_outputs, split_step_inputs
+from smshim.modelparallel.torch.pipeline.microbatch import StepOutput, join_step_outputs, split_step_inputs
 
 Pair = collections.namedtuple("Pair", ["x", "y"])
 

@@ -190,7 +190,7 @@ def test_clip_master_grads_equals_clip_grad_norm(dtype_name):
 
 
 def test_dynamic_loss_scaler_rules():
-    from smshim.modelparallel.torch.loss_scaler import LossScaler, make_loss_scaler
+    from smshim.modelparallel.torch.precision.loss_scaler import LossScaler, make_loss_scaler
 
     s = LossScaler(dynamic=True, init_scale=8.0, scale_window=2, delayed_shift=2, min_scale=4.0)
     seen = []

@@ -4,7 +4,7 @@ containers, tied weights."""
 import torch
 import torch.nn as nn
 
-from smshim.modelparallel.torch.partitioner import (auto_assignment, proportional_devices,
+from smshim.modelparallel.torch.pipeline.partitioner import (auto_assignment, proportional_devices,
                                                      split_contiguous, trace_modules)
 from tests.pipeline_models import Block, Net
 
@@ -84,7 +84,7 @@ class _Top(nn.Module):
 
 def test_a_module_on_pp_rank_0_nested_in_another_ranks_may_not_call_a_third_rank():
     from smshim.modelparallel.torch.errors import SMPValidationError
-    from smshim.modelparallel.torch.partitioner import manual_assignment, set_partition
+    from smshim.modelparallel.torch.pipeline.partitioner import manual_assignment, set_partition
 
     top = _Top()
     set_partition(top.outer, 1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smshim.modelparallel.torch.run_queue import RunQueue
+from smshim.modelparallel.torch.pipeline.run_queue import RunQueue
 from smshim.testing import run_ranks
 from tests.polling import wait_until
 

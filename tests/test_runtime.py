@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 from smshim.testing import run_command, run_ranks
 
 HERE = os.path.dirname(__file__)

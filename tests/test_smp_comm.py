@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from smshim._runtime import free_port
+from smshim.runtime.launch import free_port
 from smshim.testing import run_command, run_ranks
 from tests.smp_scripts.comm_checks import check_all
 

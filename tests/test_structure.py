@@ -6,7 +6,7 @@ from collections import namedtuple
 
 import torch
 
-from smshim.modelparallel.torch import structure as st
+from smshim.modelparallel.torch.pipeline import structure as st
 
 Pair = namedtuple("Pair", "a b")
 

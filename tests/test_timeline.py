@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from smshim.modelparallel.torch import timeline as tl_mod
-from smshim.modelparallel.torch.timeline import Timeline, from_env
+from smshim.timeline import recorder as tl_mod
+from smshim.timeline.recorder import Timeline, from_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -229,7 +229,7 @@ def test_flush_is_atomic_under_concurrent_reads(tmp_path):
 
 def test_atexit_flush_writes_unflushed_events(tmp_path):
     code = (
-        "from smshim.modelparallel.torch.timeline import from_env\n"
+        "from smshim.timeline.recorder import from_env\n"
         "tl = from_env(2)\n"
         "with tl.span('a', 'forward', microbatch=0, step=0):\n"
         "    pass\n"

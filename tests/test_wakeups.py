@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from smshim.modelparallel.torch.scheduler import FORWARD, ComputeLock
-from smshim.modelparallel.torch.server import ModuleServer
-from smshim.modelparallel.torch.timeline import Timeline
-from smshim.modelparallel.torch.transport import PipelineError
-from smshim.modelparallel.torch.value_store import ValueStore
+from smshim.modelparallel.torch.pipeline.scheduler import FORWARD, ComputeLock
+from smshim.modelparallel.torch.pipeline.server import ModuleServer
+from smshim.timeline.recorder import Timeline
+from smshim.modelparallel.torch.pipeline.transport import PipelineError
+from smshim.modelparallel.torch.pipeline.value_store import ValueStore
 from smshim.testing import run_ranks
 from tests.polling import wait_until
 

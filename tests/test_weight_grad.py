@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from smshim.modelparallel.torch import weight_grad as wg
+from smshim.modelparallel.torch.pipeline import weight_grad as wg
 
 TOL = 1e-5
 

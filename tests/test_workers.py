@@ -16,7 +16,7 @@ _SCRIPT = textwrap.dedent("""
     import os, threading
     from concurrent.futures import ThreadPoolExecutor
     import torch
-    from smshim.modelparallel.torch.workers import Workers, adopt_intra_op_threads
+    from smshim.modelparallel.torch.pipeline.workers import Workers, adopt_intra_op_threads
 
     torch.set_num_threads(1)
     a = torch.randn(256, 256)

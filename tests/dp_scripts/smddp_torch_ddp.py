@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from smshim._runtime import detect_launch  # noqa: E402
+from smshim.runtime.launch import detect_launch  # noqa: E402
 
 launcher = detect_launch().launcher  # before the import below exports torchrun-style variables
 assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ, "torch env already set"

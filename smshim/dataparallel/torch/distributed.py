@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as _dist
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 
 logger = logging.getLogger(__name__)
 

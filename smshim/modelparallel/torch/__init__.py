@@ -6,7 +6,7 @@ imported at the end.
 
 `smp.init(config)` merges `config` with SM_HP_MP_PARAMETERS (the environment wins), validates it
 (config.py: every rank raises the same error before any collective), brings up the default process
-group (smshim._runtime; `ddp_dist_backend` picks gloo/nccl), computes this rank's placement
+group (smshim.runtime.launch; `ddp_dist_backend` picks gloo/nccl), computes this rank's placement
 (topology.py) and creates, on every rank in the same order, one dedicated gloo group for smp's
 object collectives and a torch process group for each group kind (groups with identical members
 share one ProcessGroup; WORLD is the default group). They exist whether or not `ddp` is set.
@@ -28,9 +28,10 @@ from typing import Any, ContextManager, Dict, Iterator, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 from smshim.modelparallel import __version__  # noqa: F401  (smp.__version__ as in SageMaker)
-from smshim.modelparallel.torch import amp, mixed_precision, nn  # noqa: F401  (smp.amp, smp.nn)
+from smshim.modelparallel.torch import amp, nn
+from smshim.modelparallel.torch.precision import mixed_precision  # noqa: F401  (smp.amp, smp.nn)
 from smshim.modelparallel.torch.comm import (
     CommGroup,
     RankType,
@@ -63,8 +64,8 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.state import require_init, state
 from smshim.modelparallel.torch.topology import Topology
-from smshim.modelparallel.torch import tensor_parallel as _tp
-from smshim.modelparallel.torch import tp_comm
+from smshim.modelparallel.torch.tensor_parallel import replace as _tp
+from smshim.modelparallel.torch.tensor_parallel import collectives as tp_comm
 
 logger = logging.getLogger(__name__)
 
@@ -371,20 +372,20 @@ tp_register_with_module = _tp.tp_register_with_module
 # The pipeline engine.
 # ==================================================================================================
 from smshim.modelparallel.torch import model  # noqa: E402,F401  (smp.model.DistributedModel)
-from smshim.modelparallel.torch.microbatch import StepOutput  # noqa: E402
+from smshim.modelparallel.torch.pipeline.microbatch import StepOutput  # noqa: E402
 from smshim.modelparallel.torch.model import DistributedModel  # noqa: E402
 from smshim.modelparallel.torch.optimizer import DistributedOptimizer  # noqa: E402
-from smshim.modelparallel.torch.partitioner import partition, set_partition  # noqa: E402
+from smshim.modelparallel.torch.pipeline.partitioner import partition, set_partition  # noqa: E402
 from smshim.modelparallel.torch.step import step  # noqa: E402
-from smshim.modelparallel.torch.checkpoint import (  # noqa: E402
+from smshim.modelparallel.torch.checkpointing.checkpoint import (  # noqa: E402
     load,
     resume_from_checkpoint,
     save,
     save_checkpoint,
 )
 # After the checkpoint.py import above: `smp.checkpoint` is the activation-checkpointing function,
-# as in SageMaker (the submodule stays importable as smshim.modelparallel.torch.checkpoint).
-from smshim.modelparallel.torch.activation_checkpointing import (  # noqa: E402
+# as in SageMaker (the submodule stays importable as smshim.modelparallel.torch.checkpointing.checkpoint).
+from smshim.modelparallel.torch.pipeline.activation_checkpointing import (  # noqa: E402
     checkpoint,
     checkpoint_sequential,
     set_activation_checkpointing,

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from smshim.modelparallel.torch.comm import CommGroup
-from smshim.modelparallel.torch.loss_scaler import agree_found_inf
+from smshim.modelparallel.torch.precision.loss_scaler import agree_found_inf
 from smshim.modelparallel.torch.state import state
 
 __all__ = ["GradScaler"]

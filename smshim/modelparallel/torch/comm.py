@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 from smshim.modelparallel.torch.errors import SMPRuntimeError, SMPValidationError
 from smshim.modelparallel.torch.state import require_init, state
 

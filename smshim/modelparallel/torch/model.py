@@ -17,19 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 
-from . import activation_checkpointing, partitioner
-from .comm import CommGroup
-from .mixed_precision import cast_model, config_dtype
-from .errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
+from smshim.modelparallel.torch.pipeline import activation_checkpointing
+from smshim.modelparallel.torch.pipeline import partitioner
+from smshim.modelparallel.torch.comm import CommGroup
+from smshim.modelparallel.torch.precision.mixed_precision import cast_model, config_dtype
+from smshim.modelparallel.torch.errors import (BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError,
                      MultipleDistributedModelError, SMPRuntimeError, SMPUnsupportedError)
-from . import state_dicts, tensor_parallel, tp_comm, tp_shard
-from .pipeline import Pipeline
-from smshim._reducer import GradReducer
-from .server import ctx
-from .state import require_init, state
-from .timeline import from_env as _timeline_from_env
+from smshim.modelparallel.torch.checkpointing import state_dicts
+from smshim.modelparallel.torch.tensor_parallel import replace as tensor_parallel
+from smshim.modelparallel.torch.tensor_parallel import collectives as tp_comm
+from smshim.modelparallel.torch.tensor_parallel import shard as tp_shard
+from smshim.modelparallel.torch.pipeline.pipeline import Pipeline
+from smshim.reducer.grad_reducer import GradReducer
+from smshim.modelparallel.torch.pipeline.context import ctx
+from smshim.modelparallel.torch.state import require_init, state
+from smshim.timeline.recorder import from_env as _timeline_from_env
 
 logger = logging.getLogger(__name__)
 

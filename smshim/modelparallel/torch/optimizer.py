@@ -25,13 +25,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import state_dicts
-from .comm import CommGroup, allgather
-from .errors import SMPRuntimeError
-from .loss_scaler import LossScaler, agree_found_inf, make_loss_scaler
-from .mixed_precision import REDUCED, MasterWeights, config_dtype, upcast_state
-from .optimizer_sharding import SHARD_DP_RANK_KEY, SHARD_DP_SIZE_KEY, ShardPlan
-from .state import require_init, state
+from smshim.modelparallel.torch.checkpointing import state_dicts
+from smshim.modelparallel.torch.comm import CommGroup, allgather
+from smshim.modelparallel.torch.errors import SMPRuntimeError
+from smshim.modelparallel.torch.precision.loss_scaler import LossScaler, agree_found_inf, make_loss_scaler
+from smshim.modelparallel.torch.precision.mixed_precision import REDUCED, MasterWeights, config_dtype, upcast_state
+from smshim.modelparallel.torch.checkpointing.optimizer_sharding import SHARD_DP_RANK_KEY, SHARD_DP_SIZE_KEY, ShardPlan
+from smshim.modelparallel.torch.state import require_init, state
 
 logger = logging.getLogger(__name__)
 

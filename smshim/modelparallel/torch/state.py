@@ -19,7 +19,7 @@ from smshim.modelparallel.torch.errors import SMPNotInitializedError
 if TYPE_CHECKING:  # runtime imports would be circular (topology -> comm -> state)
     import torch.distributed as dist
 
-    from smshim._runtime import LaunchInfo
+    from smshim.runtime.launch import LaunchInfo
     from smshim.modelparallel.torch.config import SMPConfig
     from smshim.modelparallel.torch.topology import Topology
 

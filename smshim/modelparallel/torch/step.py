@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional
 
-from .errors import SMPRuntimeError
-from .microbatch import join_step_outputs, split_step_inputs
-from .state import require_init, state
+from smshim.modelparallel.torch.errors import SMPRuntimeError
+from smshim.modelparallel.torch.pipeline.microbatch import join_step_outputs, split_step_inputs
+from smshim.modelparallel.torch.state import require_init, state
 
 
 def step(fn: Optional[Callable] = None, *, non_split_inputs: Optional[List[str]] = None,

@@ -14,8 +14,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as _dist
 
-from smshim import _runtime
-from smshim._reducer import DEFAULT_BUCKET_CAP_MB, GradReducer
+from smshim.runtime import launch as _runtime
+from smshim.reducer.grad_reducer import DEFAULT_BUCKET_CAP_MB, GradReducer
 from smshim.dataparallel.torch import distributed as _smddp
 
 logger = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ modules. How the collectives stay safe under the pipeline's concurrent microbatc
 tp_comm.py. How parameters are split and gathered: tp_shard.py.
 """
 
-from .base import DistributedModule
-from .layers import DistributedEmbedding, DistributedLinear, FusedLayerNorm
-from .transformer import (
+from smshim.modelparallel.torch.tensor_parallel.nn.base import DistributedModule
+from smshim.modelparallel.torch.tensor_parallel.nn.layers import DistributedEmbedding, DistributedLinear, FusedLayerNorm
+from smshim.modelparallel.torch.tensor_parallel.nn.transformer import (
     DistributedAttentionLayer,
     DistributedTransformer,
     DistributedTransformerLayer,

@@ -1,0 +1,366 @@
+"""The caller's side of the module server (`ModuleServer` is built from this and its siblings):
+a call to a module owned by another rank becomes a request, whose outputs are handles
+(`RemoteTensor`) on pp_rank 0, predicted from earlier calls with the same input shapes, and real
+values for a nested call; `_RemoteCall` stands for the call in the caller's autograd graph."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from smshim.modelparallel.torch.errors import (
+    FwdExecutionNotInStepFnError,
+    SMPRuntimeError,
+)
+from smshim.modelparallel.torch.pipeline.context import ctx
+from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
+from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
+from smshim.modelparallel.torch.pipeline.structure import fill, flatten
+from smshim.modelparallel.torch.pipeline.transport import (
+    BWD_REQ,
+    FETCH,
+    FWD_REQ,
+    SEND_TO,
+    VALUE,
+    Message,
+    PipelineError,
+)
+from smshim.modelparallel.torch.precision import autocast_state
+
+logger = logging.getLogger(__name__)
+
+
+# SMSHIM_PREDICT=0: every remote call waits for its outputs' metadata (no prediction from earlier
+# calls); for modules whose output structure or shapes depend on input values, not input shapes.
+PREDICT_ENV = "SMSHIM_PREDICT"
+
+
+@dataclass
+class _Call:
+    owner: int
+    module: str
+    step: int
+    microbatch: int
+    template: Any
+    in_meta: List[Tuple[torch.Size, torch.dtype]]
+    requires: List[bool]         # input i needs a gradient
+    remote_in: List[bool]        # input i is a handle (its gradient may stay remote)
+    leaf_in: List[bool]          # input i is a leaf (its gradient must be real)
+    call_id: int = -1
+    out_template: Any = None
+    out_requires_grad: List[bool] = field(default_factory=list)
+
+    def what(self, direction: str) -> str:
+        return (f"{direction} of module '{self.module}' (microbatch {self.microbatch}, "
+                f"step {self.step})")
+
+
+@dataclass
+class _Prediction:
+    out_template: Any
+    metas: List[Tuple[Tuple[int, ...], torch.dtype, bool]]
+    expect: bytes  # what the owner must find, pickled as it pickles what it found
+
+
+class _RemoteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx_, server: "CallerSide", call: _Call, anchor, *inputs):
+        outputs = server._forward(call, list(inputs), grad_enabled=True)
+        ctx_.server, ctx_.call = server, call
+        ctx_.set_materialize_grads(False)
+        ctx_.mark_non_differentiable(*[t for t, rg in zip(outputs, call.out_requires_grad) if not rg])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx_, *grads):
+        in_grads = ctx_.server._backward(ctx_.call, list(grads))
+        return (None, None, None, *in_grads)
+
+
+def _expectation(out_template: Any, metas) -> bytes:
+    return pickle.dumps((out_template, metas), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _describe(out_template: Any, metas) -> str:
+    shapes = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in metas)
+    return f"{type(out_template).__name__} of tensors [{shapes}]"
+
+
+def _make_proxy(server: "CallerSide", name: str, owner: int) -> Callable[..., Any]:
+    def remote_forward(*args, **kwargs):
+        return server.call(name, owner, args, kwargs)
+
+    remote_forward.__name__ = f"remote_forward[{name} on pp rank {owner}]"
+    return remote_forward
+
+
+
+class CallerSide:
+    """A part of `ModuleServer` (server.py), which holds the state these methods share."""
+
+
+    # Caller side ---------------------------------------------------------------------------
+    def call(self, name: str, owner: int, args: tuple, kwargs: dict) -> Any:
+        if not ctx.in_step:
+            raise FwdExecutionNotInStepFnError(
+                f"module '{name}' lives on pipeline rank {owner}: it can only run inside an "
+                "@smp.step function")
+        template, tensors = flatten((args, kwargs))
+        grad = torch.is_grad_enabled()
+        requires = [grad and t.requires_grad and (t.is_floating_point() or t.is_complex())
+                    for t in tensors]
+        call = _Call(owner, name, ctx.step, ctx.microbatch, template,
+                     [(t.shape, t.dtype) for t in tensors], requires,
+                     [isinstance(t, RemoteTensor) for t in tensors],
+                     [t.grad_fn is None for t in tensors])
+        if grad:
+            outputs = list(_RemoteCall.apply(self, call, self._anchor, *tensors))
+        else:
+            outputs = self._forward(call, tensors, grad_enabled=False)
+        return fill(call.out_template, outputs)
+
+
+    def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
+        if call.owner == self.me:  # a local region: the same path, without the network
+            self.transport.flush()  # held calls to other stages go before this one computes
+            values = [self._real(t) for t in tensors]
+            if ctx.driver:
+                self.turns.wait(FORWARD, call.microbatch, call.what("forward"))
+            call.call_id = next(self._ids)
+            out_template, outs, out_rg = self._execute_forward(
+                self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
+                values, call.requires, grad_enabled)
+            self.turns.ran(FORWARD, call.microbatch)
+            call.out_template, call.out_requires_grad = out_template, out_rg
+            return [t.detach() for t in outs]
+        # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
+        # from inside a module on another rank, waits for the values.
+        sync = self.me != 0
+        template_bytes = pickle.dumps(call.template, protocol=pickle.HIGHEST_PROTOCOL)
+        amp = autocast_state.capture()  # the module runs under the caller's autocast
+        pkey = (call.module, template_bytes, grad_enabled, amp,
+                tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))
+        pred = None if (sync or not self.predict) else self._predictions.get(pkey)
+        call.call_id = call_id = next(self._ids)
+        # pp_rank 0's requests that need no reply are held to leave with the next ones to the
+        # same rank (a stage's calls of one microbatch: one frame; Transport.send, `hold`).
+        reply = "data" if sync else ("meta" if pred is None else None)
+        enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
+        if not sync:
+            with self._cond:
+                self._visited[call.microbatch].add(call.owner)
+        box = self._new_box(call_id) if reply else None
+        try:
+            self.transport.send(call.owner, Message(
+                FWD_REQ, call.step, call.microbatch, call_id, call.module,
+                meta=(template_bytes, enc, call.requires, grad_enabled, reply,
+                      pred.expect if pred is not None else None, amp),
+                tensors=inline), hold=reply is None)
+            if box is not None:
+                msg = self._wait_reply(box, call.owner, call.what("forward"))
+        finally:
+            if box is not None:
+                self._drop_box(call_id)
+        if reply == "data":
+            call.out_template, metas = msg.meta
+            call.out_requires_grad = [rg for _, _, rg in metas]
+            return msg.tensors
+        if reply == "meta":
+            out_template, metas = msg.meta
+            pred = _Prediction(out_template, metas, _expectation(out_template, metas))
+            self._predictions[pkey] = pred
+        call.out_template = pred.out_template
+        call.out_requires_grad = [rg for _, _, rg in pred.metas]
+        return [RemoteTensor(_Cell(call.owner, (self.me, call_id, "out", i),
+                                   f"forward output {i} of module '{call.module}'",
+                                   call.microbatch, self._fetch, step=call.step),
+                             shape, dtype, self.device)
+                for i, (shape, dtype, _) in enumerate(pred.metas)]
+
+
+    def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
+        n = len(call.requires)
+        if call.owner == self.me:
+            self._note_backward_begun(call.microbatch)
+            self.transport.flush()
+            values = [None if g is None else self._real(g) for g in grads]
+            if ctx.driver:
+                self.turns.wait(BACKWARD, call.microbatch, call.what("backward"))
+            in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
+                                              call.microbatch, values)
+            self.turns.ran(BACKWARD, call.microbatch)
+            return in_grads + [None] * (n - len(in_grads))
+        sync = self.me != 0
+        enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)
+        # Gradients this rank will need as values come unasked; the others stay with the owner
+        # until the next call up the chain asks for them to be sent where it runs.
+        push = [i for i in range(n) if call.requires[i] and (sync or not call.remote_in[i])]
+        self.transport.send(call.owner, Message(
+            BWD_REQ, call.step, call.microbatch, call.call_id, call.module, meta=(enc, push),
+            tensors=inline), hold=not sync)
+        self._note_backward_begun(call.microbatch)  # (once its request is queued: see there)
+        in_grads: List[Optional[torch.Tensor]] = []
+        for i in range(n):
+            if not call.requires[i]:
+                in_grads.append(None)
+                continue
+            cell = _Cell(call.owner, (self.me, call.call_id, "igrad", i),
+                         f"gradient of input {i} of module '{call.module}'", call.microbatch,
+                         self._fetch, pushed=i in push, step=call.step)
+            if sync or call.leaf_in[i]:
+                # autograd would store a handle in a leaf's .grad: give it the value.
+                in_grads.append(cell.resolve())
+            else:
+                shape, dtype = call.in_meta[i]
+                in_grads.append(RemoteTensor(cell, shape, dtype, self.device))
+        return in_grads
+
+
+    def _encode(self, tensors: List[Optional[torch.Tensor]], dst: int, mb: int,
+                hold: bool = False):
+        """How `dst` finds each tensor: sent inline ("t", i), held by dst or sent to it by its
+        owner ("r", key, owner), or a lazy sum of such ("s", [...]); None stays None."""
+        inline: List[torch.Tensor] = []
+
+        def one(t):
+            if t is None:
+                return None
+            if isinstance(t, _Cell) or isinstance(t, RemoteTensor):
+                cell = t if isinstance(t, _Cell) else t._cell
+                if cell.value is None and cell.terms is not None:
+                    return ("s", [one(term) for term in cell.terms])
+                if cell.value is None:
+                    if cell.owner != dst:
+                        with cell.lock:
+                            ask = dst not in cell.sent_to
+                            cell.sent_to.add(dst)
+                        if ask:
+                            self.transport.send(cell.owner, Message(
+                                SEND_TO, ctx.step, mb, meta=(cell.key, dst)), hold=hold)
+                    return ("r", cell.key, cell.owner)
+                t = cell.value
+            inline.append(t)
+            return ("t", len(inline) - 1)
+
+        return [one(t) for t in tensors], inline
+
+
+    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: str):
+        if enc is None:
+            return None
+        kind = enc[0]
+        if kind == "t":
+            return tensors[enc[1]]
+        if kind == "r":
+            return self._get_value(enc[1], enc[2], what)
+        total = None
+        for term in enc[1]:
+            v = self._decode(term, tensors, src, what)
+            total = v if total is None else total + v
+        return total
+
+
+    def _fetch(self, cell: _Cell) -> torch.Tensor:
+        """A handle's data: pushed by its owner, or asked for once."""
+        if cell.step != self._step:
+            raise SMPRuntimeError(
+                f"the {cell.what} (microbatch {cell.microbatch}, step {cell.step}) stayed on pp rank "
+                f"{cell.owner} and was dropped when its step ended: read it inside the @smp.step "
+                "function, or return it from the step function to get its value")
+        key = cell.key
+        if cell.owner == self.me:
+            return self._get_value(key, self.me, cell.what)
+        self._ask(cell)
+        return self._get_value(key, cell.owner, f"{cell.what} (microbatch {cell.microbatch}, "
+                                                f"step {ctx.step})")
+
+
+    def _ask(self, cell: _Cell, hold: bool = False) -> None:
+        """Ask a handle's owner for its value (the terms' owners, for a lazy sum), once, unless
+        it comes anyway (pushed, or here already)."""
+        if cell.value is not None:
+            return
+        if cell.terms is not None:
+            for term in cell.terms:
+                if isinstance(term, _Cell):
+                    self._ask(term, hold)
+            return
+        if cell.owner == self.me or cell.step != self._step:  # (the latter: _fetch says why)
+            return
+        with cell.lock:
+            ask = not cell.pushed and not cell.fetching
+            cell.fetching = True
+        if ask and self.store.peek(cell.key) is None:
+            self.transport.send(cell.owner, Message(FETCH, ctx.step, cell.microbatch,
+                                                    meta=cell.key), hold=hold)
+
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        return t.materialize() if isinstance(t, RemoteTensor) else t
+
+
+    def _new_box(self, call_id: int) -> "queue.Queue[Message]":
+        box: "queue.Queue[Message]" = queue.Queue()
+        with self._replies_lock:
+            self._replies[call_id] = box
+        return box
+
+
+    def _drop_box(self, call_id: int) -> None:
+        with self._replies_lock:
+            self._replies.pop(call_id, None)
+
+
+    def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
+        """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
+        self.transport.flush()  # what this thread held may be what the reply waits for
+        self._runq.step_down()
+        with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
+            try:
+                msg = box.get(timeout=self.timeout_s)
+            except queue.Empty:
+                err = self._timeout_error(peer, what)
+                self.transport.fail(err)
+                raise err from None
+        if msg.kind == "error":
+            raise PipelineError(f"pp rank {self.me}, waiting for {what}: {msg.meta}")
+        return msg
+
+
+    def _timeout_error(self, peer: int, what: str) -> PipelineError:
+        return PipelineError(
+            f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp rank {peer} (global rank "
+            f"{self.transport.ranks[peer]}): {what}. Rank {peer} may have stopped calling the step "
+            "function, or died (SMSHIM_TIMEOUT sets this limit)")
+
+
+    def _get_value(self, key, owner: int, what: str) -> torch.Tensor:
+        """A value this rank holds or is sent, waiting for it (lock given up)."""
+        value = self.store.peek(key)
+        if value is not None:
+            return value
+        self.transport.flush()
+        self._runq.step_down()
+        with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
+            try:
+                return self.store.get(key, lambda: (
+                    f"pp rank {self.me} waiting for pp rank {owner} (global rank "
+                    f"{self.transport.ranks[owner]}): {what}"))
+            except PipelineError as e:
+                if self.transport.error is None:
+                    err = self._timeout_error(owner, what)
+                    self.transport.fail(err)
+                    raise err from e
+                raise
+
+
+    def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int) -> None:
+        try:
+            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
+        except BaseException as e:  # noqa: BLE001  (already recorded by the transport)
+            logger.debug("sending %s to pp rank %d failed: %s", key, dst, e)

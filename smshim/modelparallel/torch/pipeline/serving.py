@@ -1,0 +1,305 @@
+"""The owner's side of the module server: a request whose inputs are here waits in the run
+queue, then runs the real module (forward, keeping its graph) or its backward under the compute
+lock, and its results leave for whoever needs them before the lock is given up."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from smshim.modelparallel.torch.pipeline.calls import (
+    PREDICT_ENV,
+    _describe,
+    _expectation,
+)
+from smshim.modelparallel.torch.pipeline.context import _serving, ctx
+from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
+from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
+from smshim.modelparallel.torch.pipeline.structure import fill, flatten
+from smshim.modelparallel.torch.pipeline.transport import (
+    FWD_REPLY,
+    FWD_REQ,
+    VALUE,
+    Message,
+    PipelineError,
+)
+from smshim.modelparallel.torch.precision import autocast_state
+from smshim.modelparallel.torch.state import state
+
+logger = logging.getLogger(__name__)
+
+
+def _needs(msg: Message) -> List[Any]:
+    """The store keys a FWD_REQ / BWD_REQ waits for."""
+    keys: List[Any] = []
+
+    def refs(enc):
+        if enc is None:
+            return
+        if enc[0] == "r":
+            keys.append(enc[1])
+        elif enc[0] == "s":
+            for term in enc[1]:
+                refs(term)
+
+    if msg.kind == FWD_REQ:
+        for e in msg.meta[1]:
+            refs(e)
+    else:
+        keys.append((msg.src, msg.call_id, "fwd", 0))
+        for e in msg.meta[0]:
+            refs(e)
+    return keys
+
+
+def _run_backward(outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """`torch.autograd.backward` without its argument checks, which cost a fifth of a small
+    module's backward (~30 µs of ~150): the gradients come from the caller's autograd, shaped and
+    typed by these outputs' metadata, and always given."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True,
+        accumulate_grad=True)
+
+
+
+class OwnerSide:
+    """A part of `ModuleServer` (server.py), which holds the state these methods share."""
+
+
+    # Owner side ----------------------------------------------------------------------------
+    def _ready(self, msg: Message) -> None:
+        """A request's inputs are all here: into the run queue. If no thread runs it, this one
+        will when it can (it dispatches a frame, or serves a request: see RunQueue.put); else a
+        pool thread."""
+        if self.timeline.enabled:
+            self.timeline.instant(f"ready {msg.kind} {msg.module}", "ready",
+                                  microbatch=msg.microbatch, step=msg.step)
+        self._runq.put(self._request_priority(msg), msg, here=getattr(_serving, "here", False))
+
+
+    def _hold_place_for_next(self) -> None:
+        """(The runner, holding the compute lock.) The request it runs next keeps its place in
+        the lock's queue from now: work of a larger priority (the weight gradients' thread, a
+        request back from a wait) does not take the lock in between."""
+        if not self._runq.is_runner():
+            return
+        nxt = self._runq.peek()
+        if nxt is not None and getattr(nxt, "place", None) is None:
+            nxt.place = self.lock.keep_place(self._request_priority(nxt), self._request_key(nxt))
+
+
+    def _request_key(self, msg: Message) -> tuple:
+        return (FORWARD if msg.kind == FWD_REQ else BACKWARD, msg.microbatch)
+
+
+    def _request_priority(self, msg: Message):
+        return self._priority(*self._request_key(msg))
+
+
+    def _serve(self, msg: Message) -> None:
+        """(On the run queue's thread.)"""
+        _serving.here = True
+        ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
+        state.microbatch = msg.microbatch
+        try:
+            if msg.kind == FWD_REQ:
+                self._serve_forward(msg)
+            else:
+                self._serve_backward(msg)
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, PipelineError) and self.transport.error is not None:
+                return  # a failure elsewhere, already reported
+            err = PipelineError(f"pp rank {self.me} failed running the {msg.describe()} "
+                                f"requested by pp rank {msg.src}: {type(e).__name__}: {e}")
+            logger.exception("%s", err)
+            self.transport.fail(err)
+        finally:
+            if getattr(msg, "place", None) is not None:
+                self.lock.give_up(msg.place)  # (if it failed before taking it)
+            with self._cond:
+                self._requests[msg.microbatch] -= 1
+                if msg.kind == FWD_REQ:
+                    self._forwards[msg.microbatch] -= 1
+                    self._release_if_done(msg.microbatch)
+                self._drop_if_done(msg.microbatch)
+                self._cond.notify_all()
+            self._runq.poke(here=True)  # (this thread runs the queue next)
+            _serving.here = False
+
+
+    def _what(self, msg: Message, direction: str) -> str:
+        return (f"{direction} of module '{msg.module}' (microbatch {msg.microbatch}, "
+                f"step {msg.step})")
+
+
+    def _serve_forward(self, msg: Message) -> None:
+        template_bytes, enc, requires, grad_enabled, reply, expect, amp = msg.meta
+        if msg.src == 0:
+            self._admit(msg.microbatch, msg.step)
+        what = f"an input of the {self._what(msg, 'forward')}"
+        tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        template = pickle.loads(template_bytes)
+
+        def deliver(out_template, outs, out_rg) -> None:
+            metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]
+            if expect is not None and _expectation(out_template, metas) != expect:
+                expected = pickle.loads(expect)
+                raise PipelineError(
+                    f"module '{msg.module}' (microbatch {msg.microbatch}, step {msg.step}) "
+                    f"returned {_describe(out_template, metas)}, but for inputs of the same "
+                    f"shapes it returned {_describe(*expected)} before. smshim runs modules on "
+                    "other ranks ahead of the caller, predicting their outputs' structure and "
+                    "shapes from the input shapes; for a module whose outputs depend on input "
+                    f"values, set {PREDICT_ENV}=0")
+            outs = [t.detach() for t in outs]
+            if reply is not None:
+                self.transport.send(msg.src, Message(
+                    FWD_REPLY, msg.step, msg.microbatch, msg.call_id, msg.module,
+                    meta=(out_template, metas), tensors=outs if reply == "data" else []))
+            if reply != "data":  # handles on the caller: keep the values for whoever needs them
+                for i, t in enumerate(outs):
+                    self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
+
+        self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
+                              template, tensors, requires, grad_enabled, deliver,
+                              place=getattr(msg, "place", None), amp=amp)
+        self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
+
+
+    def _serve_backward(self, msg: Message) -> None:
+        enc, push = msg.meta
+        what = f"a gradient for the {self._what(msg, 'backward')}"
+        # The forward may still be queued here (requests do not wait for each other's replies).
+        self._get_value((msg.src, msg.call_id, "fwd", 0), self.me, self._what(msg, "forward"))
+        grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        ticket = getattr(msg, "ticket", None)
+        if ticket is not None:
+            self._wait_until(lambda: self._turn == ticket, lambda: (
+                f"pp rank {self.me} waited {self.timeout_s:.0f} s to run the "
+                f"{self._what(msg, 'backward')} in its turn (deterministic_server: backward "
+                f"{ticket} of the step here, at {self._turn})"), step_down=True)
+
+        def deliver(in_grads) -> None:
+            for i, g in enumerate(in_grads):
+                if g is None:
+                    continue
+                key = (msg.src, msg.call_id, "igrad", i)
+                if i in push:
+                    self.transport.send(msg.src, Message(VALUE, msg.step, msg.microbatch,
+                                                         module=msg.module, meta=key, tensors=[g]))
+                # Kept even when pushed: the caller's autograd may pass the gradient on unread
+                # (the backward of a glue add) to another call, which then names it by key here.
+                self._keep(key, g, msg.microbatch, msg.step)
+
+        try:
+            self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
+                                   grads, deliver, place=getattr(msg, "place", None))
+        finally:
+            if ticket is not None:
+                with self._cond:
+                    self._turn += 1
+                    self._cond.notify_all()
+
+
+    def _keep(self, key, value: torch.Tensor, mb: int, step: int) -> None:
+        """Hold a value for peers; send it to those who asked for it already."""
+        for dst in self.store.put(key, value, mb):
+            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
+
+
+    def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
+                         template: Any, tensors: List[torch.Tensor], requires: List[bool],
+                         grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
+                         place: Optional[tuple] = None, amp: autocast_state.State = None):
+        """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
+        `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
+        results on their way to another rank leave before the next module here starts. `place`:
+        the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
+        the caller's autocast state (a local region runs in the caller's thread, under its own)."""
+        inputs = [t.detach().requires_grad_(rg and grad_enabled)
+                  if (t.is_floating_point() or t.is_complex()) else t
+                  for t, rg in zip(tensors, requires)]
+        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
+                            lambda: self._more_regions(FORWARD, mb), place):
+            with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
+                                    caller=caller), \
+                    torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
+                args, kwargs = fill(template, inputs)
+                out = self.real_forward(name)(*args, **kwargs)
+            out_template, outs = flatten(out)
+            if caller != self.me:
+                # A region's results leave this rank as values (handles live on pp_rank 0 only).
+                # A handle that is part of the graph (a lazy sum of a call's output and a value,
+                # say) is read through its dispatch (`clone`), which keeps it there: its raw
+                # value would cut the backward off from the module's parameters.
+                outs = [t.clone() if isinstance(t, RemoteTensor) and t.requires_grad
+                        else self._real(t) for t in outs]
+            out_rg = [grad_enabled and t.requires_grad for t in outs]
+            if any(out_rg):
+                with self._cond:
+                    self._forward_microbatches.add(mb)
+                    self._saved[(caller, call_id)] = (inputs, outs, mb)
+                    if caller == 0:  # (a nested call's graph lives until the step's end)
+                        self._graphs[mb] += 1
+                    # Microbatches whose activations this rank holds (for the memory benchmark):
+                    # a graph counts until its backward is over, not only until one starts
+                    # waiting for the compute lock.
+                    live = sum(1 for n in self._graphs.values() if n > 0)
+                    self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+            if deliver is not None:
+                deliver(out_template, outs, out_rg)
+            self._hold_place_for_next()
+        return out_template, outs, out_rg
+
+
+    def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
+                          grads: List[Optional[torch.Tensor]],
+                          deliver: Optional[Callable[[list], None]] = None,
+                          place: Optional[tuple] = None) -> List[Optional[torch.Tensor]]:
+        """Backward through the graph kept for (caller, call_id); returns the inputs' gradients
+        (zeros for an input that needs one but which the outputs' gradients did not reach),
+        after `deliver(in_grads)`, which runs before the compute lock is given up."""
+        with self._cond:
+            saved = self._saved.pop((caller, call_id), None)
+            if saved is None:
+                return []
+            self._backwards_running += 1
+        try:
+            inputs, outs, _ = saved
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
+                                 lambda: self._more_regions(BACKWARD, mb), place)
+                  if pairs else contextlib.nullcontext()):
+                if pairs:
+                    with self.timeline.span(name or "<root>", "backward", microbatch=mb,
+                                            step=step, caller=caller):
+                        _run_backward([o for o, _ in pairs], [g for _, g in pairs])
+                in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
+                            if t.requires_grad else None for t in inputs]
+                if deliver is not None:
+                    deliver(in_grads)
+                if pairs:
+                    self._hold_place_for_next()
+        finally:
+            with self._cond:
+                self._backwards_running -= 1
+                if caller == 0:
+                    self._graphs[mb] -= 1
+                self._release_if_done(mb)
+                self._cond.notify_all()
+                # (A rank that serves nested calls learns that their backwards are over only
+                # at the step's end: it reduces then.)
+                done = (not self._saved and self._backwards_running == 0
+                        and len(self._forward_microbatches) >= self._expected_microbatches
+                        and not self._nested_callers)
+            # A queued forward may now be admitted: a thread serving requests runs it next.
+            self._runq.poke(here=getattr(_serving, "here", False))
+        if done:
+            self.weight_grads.flush()
+            if self.on_local_backward_done is not None:
+                self.on_local_backward_done()
+        return in_grads

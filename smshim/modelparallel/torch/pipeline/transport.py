@@ -1,0 +1,637 @@
+"""Messages between the ranks of one pipeline (PP) group.
+
+Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
+thread and one receiver (a role that threads take in turn, one at a time: a receiver that gets
+work from a frame runs it itself and hands the receiving on, see `_recv_session`), on process
+groups used by nothing else: messages from one rank to another arrive in the order they were
+sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are
+two groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
+second), so that each TCP connection carries frames one way: when two ranks posted frames to
+each other on one connection at the same moment, gloo stalled one or both for 4-7 ms, in 15-40 %
+of such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a
+pipeline send to each other at the same moment once per microbatch. The
+thread that sends a message posts it itself, with whatever was queued for the peer before it, as
+one frame: a small header (two int64 lengths, then the pickled `Message`s without their tensors,
+which carry their shapes and dtypes) and the tensors' bytes, in a single gloo isend when it fits
+in FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute,
+glue or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no
+thread hand-off lies between a result and its transfer. The sender thread only waits for posted
+frames to complete (their buffers live until then) and keeps the deadline of held messages: a
+sender may hold a message back to leave with the next ones (`send(hold=True)`, then `flush`):
+pp_rank 0 sends a stage's calls of one microbatch as one frame. Tensors travel through CPU
+memory on a gloo group, whatever the compute device.
+
+Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
+step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
+CLOSE. So no receive is pending while a rank is idle between steps (where it could time out). A
+rank does not wait for its peers' CLOSEs when it leaves a step (that wait was a round trip through
+every peer at the end of each step): a receiver whose peer closes late goes straight on into the
+next session, the next step waits for the step before it to be closed everywhere (a stuck peer is
+still an error, one step later), and `shutdown` waits for the last one.
+
+Every failure (a peer gone, a send or receive timing out) is turned into an error stored on the
+transport; every waiter wakes up and raises it, naming the peer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import pickle
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from smshim.modelparallel.torch.pipeline.workers import Workers
+
+logger = logging.getLogger(__name__)
+
+# Message kinds. Requests (server.py): run a module's forward / backward; a forward's output
+# metadata or values when the caller waits for them; a value (activation or gradient) travelling
+# from the rank that holds it to the rank that needs it; asking a rank to send a value it holds to
+# another rank or to the asker; pp_rank 0 saying a microbatch's forward / whole step is done; a
+# rank saying it will send no more requests for the step's nested calls (server.finish_nested).
+FWD_REQ, FWD_REPLY, BWD_REQ = "fwd_req", "fwd_reply", "bwd_req"
+VALUE, SEND_TO, FETCH = "value", "send_to", "fetch"
+FWD_DONE, MB_DONE, NESTED_DONE = "fwd_done", "mb_done", "nested_done"
+STEP_END, CLOSE, ERROR = "step_end", "close", "error"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline peer failed, stopped taking part, or a wait timed out."""
+
+
+@dataclasses.dataclass
+class Message:
+    kind: str
+    step: int = 0
+    microbatch: int = -1
+    call_id: int = -1
+    module: str = ""
+    meta: Any = None  # pickled with the header: structure specs, non-tensor leaves, flags
+    tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    src: int = -1  # filled in on receipt (pp rank of the sender)
+
+    def describe(self) -> str:
+        what = {FWD_REQ: "forward", FWD_REPLY: "forward", BWD_REQ: "backward",
+                VALUE: "value", SEND_TO: "send request", FETCH: "fetch"}.get(self.kind, self.kind)
+        mod = f" of module '{self.module}'" if self.module else ""
+        mb = f", microbatch {self.microbatch}" if self.microbatch >= 0 else ""
+        return f"{what}{mod}{mb} (step {self.step})"
+
+
+FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
+# Posted frames the sender thread lets accumulate before it waits for them (see `_send_loop`).
+_MAX_POSTED = 8
+_PREFIX = 16  # two int64 lengths
+# The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
+# pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
+# that held them normally flushes them well before.
+HOLD_S = 0.005
+# For this long after the last deadline, a sender thread with nothing held wakes every
+# `hold_s` instead of sleeping until notified (see `_send_loop`).
+_LINGER_S = 0.05
+_NEVER = float("inf")
+
+
+class Transport:
+    """Point-to-point messages among `ranks` (global ranks of one PP group, in pp-rank order)."""
+
+    def __init__(self, ranks: List[int], my_pp_rank: int,
+                 groups: Tuple[dist.ProcessGroup, dist.ProcessGroup],
+                 dispatch: Callable[[List[Message]], Optional[Callable[[], None]]],
+                 timeout_s: float,
+                 device: torch.device, timeline=None, hold_s: float = HOLD_S) -> None:
+        self.ranks = ranks
+        self.hold_s = hold_s
+        self.timeline = timeline
+        # What this rank sent, by (kind, peer pp rank): messages, and tensor bytes. The
+        # benchmarks and tests read these to show which rank sent what to whom.
+        self.sent_messages: collections.Counter = collections.Counter()
+        self.sent_bytes: collections.Counter = collections.Counter()
+        self.sent_frames: collections.Counter = collections.Counter()  # by peer pp rank
+        self.me = my_pp_rank
+        # Frames to a higher pp rank travel on groups[0], to a lower one on groups[1] (the same
+        # ranks, in the same order). They go straight to the group's send / recv:
+        # torch.distributed's isend and recv add argument checks, rank translation and an
+        # exception logger around the same calls, ~30-50 us of CPU per frame on a busy core (a
+        # frame costs ~250 us in all).
+        self._groups = groups
+        self._group_rank = {peer: dist.get_group_rank(groups[0], r) for peer, r in enumerate(ranks)}
+        self.timeout_s = timeout_s
+        self.device = device
+        self._dispatch = dispatch
+        self._error: Optional[BaseException] = None
+        self._error_lock = threading.Lock()
+        self._error_listeners: List[Callable[[BaseException], None]] = []
+        self._session_starts: Dict[int, threading.Semaphore] = {}
+        # Sessions: how many this rank has closed, how many each peer has (its CLOSEs received),
+        # and this rank's CLOSEs of the last one (events set once they have left).
+        self._closed_sessions = 0
+        self._closed_steps: collections.deque = collections.deque([-1, -1], maxlen=2)
+        self._peer_closes: collections.Counter = collections.Counter()
+        self._closes_cond = threading.Condition()
+        self._closes_sent: List[threading.Event] = []
+        self._shutdown = False
+        self._threads: List[threading.Thread] = []
+        # One receive buffer per peer (its receiver thread uses it).
+        self._frames: Dict[int, tuple] = {}
+        self.peers = [p for p in range(len(ranks)) if p != self.me]
+        self._outbox: Dict[int, _Outbox] = {}
+        self._holding = threading.local()  # .peers: see _held_peers
+        for peer in self.peers:
+            self._outbox[peer] = _Outbox()
+            t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
+                                 name=f"smp-send-{self.me}-{peer}")
+            t.start()
+            self._threads.append(t)
+            self._session_starts[peer] = threading.Semaphore(0)
+        # Receiving from a peer is a role that threads take in turn (see `_recv_session`).
+        self._receivers = Workers(f"smp-recv-{self.me}")
+        for peer in self.peers:
+            self._receivers.run(self._receive, peer)
+
+    # ---- errors -----------------------------------------------------------------------------
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def on_error(self, fn: Callable[[BaseException], None]) -> None:
+        self._error_listeners.append(fn)
+
+    def fail(self, exc: BaseException, tell_peers: bool = True) -> None:
+        """Record the first failure, wake every waiter, and tell the peers (best effort)."""
+        with self._error_lock:
+            if self._error is not None:
+                return
+            self._error = exc
+        logger.error("pipeline rank %d: %s", self.me, exc)
+        for fn in self._error_listeners:
+            fn(exc)
+        if tell_peers:
+            # From a daemon thread: a peer that stopped receiving must not block the raise here.
+            notice = Message(ERROR, meta=f"pp rank {self.me} (global rank {self.ranks[self.me]}) "
+                                         f"failed: {exc}")
+            t = threading.Thread(target=self._tell_peers, args=(notice,), daemon=True,
+                                 name=f"smp-error-{self.me}")
+            t.start()
+            self._threads.append(t)
+
+    def _tell_peers(self, notice: Message) -> None:
+        for peer in self.peers:
+            try:
+                with self._outbox[peer].posting:
+                    works, _ = self._post_frame(peer, [notice])
+                for work in works:
+                    work.wait()
+            except Exception:  # noqa: BLE001  (best effort: the peer may be gone)
+                pass
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise PipelineError(str(self._error)) from self._error
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def open_session(self) -> None:
+        """Enter a step. The one before the last must be closed by every peer by now (the last
+        one's CLOSEs, theirs and ours, may still be on their way: see `close_session`)."""
+        self.check()
+        self._await_closes(self._closed_sessions - 1, self._closed_steps[0])
+        for sem in self._session_starts.values():
+            sem.release()
+
+    def close_session(self, step: int, last: Optional[Message] = None) -> None:
+        """Tell every peer this rank is done with `step`, without waiting for theirs: a peer's
+        CLOSE ends only this rank's receiving from it, and this rank's work for the step is
+        done. The next `open_session` and `shutdown` wait for them. `last`: a message for every
+        peer that leaves in the same frame, just before the CLOSE (pp_rank 0's STEP_END)."""
+        self._closes_sent = [
+            self._send(peer, ([] if last is None else [last]) + [Message(CLOSE, step=step)],
+                       threading.Event())
+            for peer in self.peers]
+        self._closed_sessions += 1
+        self._closed_steps.append(step)
+
+    def _await_closes(self, sessions: int, step: int) -> None:
+        """Wait until every peer has closed `sessions` sessions (the last of them `step`),
+        bounded by the timeout. A peer that never closes fails the transport."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._closes_cond:
+            while True:
+                self.check()
+                waiting = [p for p in self.peers if self._peer_closes[p] < sessions]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                self._closes_cond.wait(timeout=min(left, 1.0))
+        if waiting:
+            err = PipelineError(
+                f"pp rank {self.me} waited {self.timeout_s:.0f} s for pp ranks {waiting} (global "
+                f"{[self.ranks[p] for p in waiting]}) to finish step {step}: they may have "
+                "stopped calling the step function")
+            self.fail(err)  # (the peers, and this rank's shutdown, wait no longer)
+            raise err
+
+    def _peer_closed(self, peer: int) -> None:
+        with self._closes_cond:
+            self._peer_closes[peer] += 1
+            self._closes_cond.notify_all()
+
+    # ---- sending ----------------------------------------------------------------------------
+    def send(self, peer: int, msg: Message, wait: bool = False, hold: bool = False) -> None:
+        """Send `msg` to `peer`; with `wait`, return once it has left. Messages to a
+        peer arrive in the order they were sent. The calling thread posts the frame itself (a
+        gloo isend: it never waits for the peer, so neither a compute thread nor a receiver
+        thread can block on a peer that is busy, stuck or not yet in the step, and no thread
+        hand-off lies between a result and its transfer), with whatever was queued for the
+        peer before it.
+
+        `hold`: the message may wait for the ones the calling thread sends next, to leave with
+        them in one frame: each frame costs both ranks' CPU (gloo's event loop and a receive,
+        ~1 ms in all on a busy 2-core machine), and pp_rank 0 issues a stage's calls one after
+        another (one request per module). Held messages leave when this thread calls `flush`
+        (before it computes or waits for anything), when a message that is not held is sent to
+        the same peer, or at the latest `hold_s` after the first of them (the peer's sender
+        thread keeps the deadline: a thread that forgets to flush delays, never loses, what it
+        held)."""
+        if wait or not hold:
+            done = self._send(peer, [msg], threading.Event() if wait else None)
+            if done is not None:
+                self._wait_sent(done)
+            return
+        self.check()
+        held = self._held_peers()
+        if held and peer not in held and not getattr(self._holding, "together", False):
+            # The calls moved on to another stage: the previous one's have all been issued.
+            self.flush()
+        self.send_later(peer, msg)
+        if peer not in held:
+            held.append(peer)
+
+    def send_later(self, peer: int, msg: Message) -> None:
+        """Queue `msg` to leave with the next frame posted to `peer`, by whichever thread, or
+        at the latest `hold_s` from now; unlike `send(hold=True)`, the calling thread's `flush`
+        does not post it (pp_rank 0's last MB_DONE leaves with the step's end)."""
+        self.check()
+        self._count(peer, msg)
+        box = self._outbox[peer]
+        with box.cond:
+            box.items.append((msg, None))
+            if box.hold_until is None:
+                box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
+                if box.wakes_at > box.hold_until:  # (else it wakes in time by itself)
+                    box.cond.notify()  # the sender thread keeps the deadline
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """What this thread holds inside leaves at the end, one frame per peer (the calls
+        moving on to another peer do not flush it)."""
+        self._holding.together = True
+        try:
+            yield
+        finally:
+            self._holding.together = False
+            self.flush()
+
+    def _count(self, peer: int, msg: Message) -> None:
+        self.sent_messages[(msg.kind, peer)] += 1
+        self.sent_bytes[(msg.kind, peer)] += _nbytes(msg)
+
+    def _send(self, peer: int, msgs: List[Message],
+              done: Optional[threading.Event]) -> Optional[threading.Event]:
+        """Post `msgs`, in one frame with what is queued before them; `done` is set once they
+        have left."""
+        self.check()
+        for msg in msgs:
+            self._count(peer, msg)
+        box = self._outbox[peer]
+        with box.cond:
+            box.items.extend((msg, None) for msg in msgs[:-1])
+            box.items.append((msgs[-1], done))
+        self._post(peer, box)
+        return done
+
+    def _wait_sent(self, done: threading.Event) -> None:
+        while not done.wait(timeout=1.0):
+            self.check()
+        self.check()
+
+    def flush(self) -> None:
+        """Send what this thread held (`send(hold=True)`) now, as one frame per peer."""
+        held = self._held_peers()
+        while held:
+            peer = held.pop()
+            self._post(peer, self._outbox[peer])
+
+    def _held_peers(self) -> List[int]:
+        """Peers the calling thread holds messages for (see `send`'s `hold`)."""
+        held = getattr(self._holding, "peers", None)
+        if held is None:
+            held = self._holding.peers = []
+        return held
+
+    def _post(self, peer: int, box: "_Outbox") -> None:
+        """Post everything queued for `peer` as one frame (nothing if another thread has taken
+        it already). Frames to a peer are posted one at a time, each with what was queued
+        before it, so they leave in the order their messages were queued."""
+        with box.posting:
+            with box.cond:
+                batch, box.items, box.hold_until = box.items, [], None
+            if not batch:
+                return
+            msgs = [m for m, _ in batch]
+            dones = [d for _, d in batch if d is not None]
+            span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to "
+                                       f"{peer}", "transfer", peer=peer, messages=len(msgs),
+                                       bytes=sum(_nbytes(m) for m in msgs),
+                                       microbatch=msgs[0].microbatch, step=msgs[0].step,
+                                       module=msgs[0].module)
+                    if self.timeline is not None and self.timeline.enabled
+                    and msgs[0].kind != CLOSE else contextlib.nullcontext())
+            self.sent_frames[peer] += 1
+            what = msgs[0].describe()
+            try:
+                with span:
+                    works, keep = self._post_frame(peer, msgs)
+            except Exception as e:  # noqa: BLE001
+                self._send_failed(peer, what, e)
+                for d in dones:
+                    d.set()
+                return
+            with box.cond:
+                box.posted.append((works, keep, dones, what))
+                if dones or len(box.posted) > _MAX_POSTED:
+                    box.cond.notify()  # the sender thread waits for them (see _send_loop)
+
+    def _send_failed(self, peer: int, what: str, exc: BaseException) -> None:
+        self.fail(PipelineError(f"pp rank {self.me} could not send {what} to pp rank {peer} "
+                                f"(global rank {self.ranks[peer]}): {exc}"))
+
+    def _send_loop(self, peer: int) -> None:
+        """The peer's sender thread: posts held messages at their deadline, and waits for posted
+        frames to complete (a frame's buffers live until then; `send(wait=True)` returns then)
+        once one is waited for or many are posted: waiting for a completed send costs nothing,
+        and the threads that send wait only when they ask to (`wait`)."""
+        box = self._outbox[peer]
+        while True:
+            with box.cond:
+                while True:
+                    if self._shutdown:
+                        return
+                    if box.posted and (len(box.posted) > _MAX_POSTED
+                                       or any(entry[2] for entry in box.posted)):
+                        due = False
+                        break
+                    now = time.monotonic()
+                    if box.hold_until is not None:
+                        if box.hold_until <= now:
+                            due = True
+                            break
+                        box.wakes_at = box.hold_until
+                    elif now - box.last_deadline < _LINGER_S:
+                        # Holds come in runs (pp_rank 0 during a step). Waking every hold_s
+                        # keeps any deadline set meanwhile, so a hold needs no notify (a
+                        # thread switch) while the run lasts: half the wakes of a notify per
+                        # hold and a wake at its deadline.
+                        box.wakes_at = now + self.hold_s
+                    else:
+                        box.wakes_at = _NEVER
+                    box.cond.wait(timeout=None if box.wakes_at == _NEVER
+                                  else box.wakes_at - now)
+                    box.wakes_at = _NEVER
+                posted = list(box.posted) if not due else []
+            if due:
+                self._post(peer, box)
+                continue
+            for works, _, dones, what in posted:
+                try:
+                    for work in works:
+                        work.wait()
+                except Exception as e:  # noqa: BLE001
+                    self._send_failed(peer, what, e)
+                with box.cond:
+                    box.posted.popleft()
+                for d in dones:
+                    d.set()
+            del posted  # hold no tensors while idle (nor when the thread ends at exit)
+
+    def _post_frame(self, peer: int, msgs: List[Message]) -> tuple:
+        """Post `msgs` to pp rank `peer` as one frame: [header length]
+        [body length][pickled headers][tensor bytes]. The receiver posts a fixed-size buffer
+        (gloo accepts a shorter message), so small messages cost a single send; what does not
+        fit follows in one more each: the headers (rare: a huge non-tensor payload), then the
+        body. Assembled with numpy (a handful of torch ops per message cost more than the
+        transfer of a small one). Returns the sends' works and the buffers they read, which
+        must live until they complete."""
+        headers, body = [], []
+        for msg in msgs:
+            metas = []
+            for t in msg.tensors:
+                arr = _as_bytes(t)
+                metas.append((tuple(t.shape), t.dtype, arr.size))
+                if arr.size:
+                    body.append(arr)
+            headers.append(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
+                                   msg.meta, metas))
+        header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
+        body_len = sum(b.size for b in body)
+        end = _PREFIX + len(header)
+        inline = end + body_len <= FRAME_BYTES  # headers and body in one isend
+        if end > FRAME_BYTES:  # the headers follow on their own
+            nf = np.empty(_PREFIX, dtype=np.uint8)
+            bufs = [nf, np.frombuffer(bytearray(header), dtype=np.uint8)]
+        else:
+            nf = np.empty(end + body_len if inline else end, dtype=np.uint8)
+            nf[_PREFIX:end] = np.frombuffer(header, dtype=np.uint8)
+            if inline:
+                for arr in body:
+                    nf[end:end + arr.size] = arr
+                    end += arr.size
+            bufs = [nf]
+        nf[:_PREFIX] = np.array([len(header), body_len], dtype=np.int64).view(np.uint8)
+        if not inline and body_len:
+            bufs.append(np.concatenate(body))
+        keep = [torch.from_numpy(b) for b in bufs]
+        group, dst = self._group(self.me, peer), self._group_rank[peer]
+        return [group.send([t], dst, 0) for t in keep], keep
+
+    def _group(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The group that frames from pp rank `src` to pp rank `dst` travel on."""
+        return self._groups[0 if dst > src else 1]
+
+    # ---- receiving --------------------------------------------------------------------------
+    def _receive(self, peer: int, in_session: bool = False) -> None:
+        """The role of receiving from `peer`, held by one thread at a time: sessions, one per
+        step, each until the peer's CLOSE. Returns once it has handed the role to another
+        thread (see `_recv_session`), or on an error or shutdown."""
+        src = self.ranks[peer]
+        while True:
+            if not in_session:
+                self._session_starts[peer].acquire()
+                if self._shutdown:
+                    return
+            in_session = False
+            try:
+                work = self._recv_session(peer)
+            except Exception as e:  # noqa: BLE001
+                if not self._shutdown:
+                    self.fail(PipelineError(f"pp rank {self.me} lost pp rank {peer} (global rank "
+                                            f"{src}) while receiving: {e}"), tell_peers=True)
+                return
+            if work is _ERROR:
+                return
+            if work is not None:
+                work()
+                return
+
+    def _recv_session(self, peer: int) -> Any:
+        """Receive and dispatch `peer`'s messages until its CLOSE (None), an ERROR (`_ERROR`),
+        or a frame whose dispatch returns work: a request it made ready. Then another thread
+        takes over receiving and this one returns the work to run: the request starts with no
+        thread hand-off between its frame's arrival and its compute (waking a thread costs a
+        large share of a hop between ranks), and this peer's next frame is received meanwhile.
+        A function of its own so that no received tensor stays referenced between sessions."""
+        while True:
+            frame = self._recv_frame(peer)
+            if self.timeline is not None and self.timeline.enabled:
+                self.timeline.instant(
+                    f"recv {'+'.join(sorted({m.kind for m in frame}))} from {peer}",
+                    "transfer", peer=peer, microbatch=frame[0].microbatch, step=frame[0].step)
+            last = None
+            for i, msg in enumerate(frame):
+                msg.src = peer
+                if msg.kind in (CLOSE, ERROR):  # a peer's last message of its step, or ever
+                    frame, last = frame[:i], msg
+                    break
+            work = self._dispatch(frame) if frame else None
+            if last is not None and last.kind == ERROR:
+                self.fail(PipelineError(str(last.meta)), tell_peers=True)
+                return _ERROR
+            if last is not None:
+                self._peer_closed(peer)
+                if work is not None:
+                    work()
+                return None
+            if work is not None:
+                self._receivers.run(self._receive, peer, True)
+                return work
+
+    def _recv_frame(self, peer: int) -> List[Message]:
+        """The next frame from pp rank `peer`, as its messages."""
+        frame, nf = _frame_buffer(self._frames, peer)
+        group, src = self._group(peer, self.me), self._group_rank[peer]
+        group.recv([frame], src, 0).wait()
+        header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
+        start = _PREFIX + header_len
+        if start > FRAME_BYTES:  # the headers follow on their own (see _post_frame)
+            header = np.empty(header_len, dtype=np.uint8)
+            group.recv([torch.from_numpy(header)], src, 0).wait()
+            msgs: List[Message] = pickle.loads(header)
+        else:
+            msgs = pickle.loads(nf[_PREFIX:start])
+        if start + body_len <= FRAME_BYTES:
+            # No copy here: each tensor is copied out of the frame below, before the next receive.
+            body = nf[start:start + body_len]
+        else:
+            body = np.empty(body_len, dtype=np.uint8)
+            if body_len:
+                group.recv([torch.from_numpy(body)], src, 0).wait()
+        offset = 0
+        for msg in msgs:
+            tensors = []
+            for shape, dtype, nbytes in msg.tensors:
+                t = _from_bytes(body[offset:offset + nbytes], dtype, shape)
+                offset += nbytes
+                tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
+            msg.tensors = tensors
+        return msgs
+
+    def shutdown(self, join_timeout_s: float = 5.0) -> None:
+        """Stop the sender and receiver threads and wait for them (bounded). They are daemon
+        threads: one still running when the interpreter finalizes (e.g. freeing the tensors of
+        its last frame) is killed by pthread_exit while inside torch's C++ code, which aborts
+        the process ("terminate called without an active exception") after the script is done."""
+        if self._error is None and self._closed_sessions:
+            # No receive may be left pending at exit: wait for the last step's CLOSEs.
+            try:
+                self._await_closes(self._closed_sessions, self._closed_steps[1])
+                for done in self._closes_sent:  # (and this rank's own have left)
+                    self._wait_sent(done)
+            except PipelineError as e:
+                logger.error("pipeline rank %d at shutdown: %s", self.me, e)
+        self._shutdown = True
+        for sem in self._session_starts.values():
+            sem.release()
+        for box in self._outbox.values():
+            with box.cond:
+                box.cond.notify_all()
+        self._receivers.stop()
+        deadline = time.monotonic() + join_timeout_s
+        for t in self._threads + list(self._receivers.threads):
+            if t is not threading.current_thread():
+                # A receiver inside a gloo receive (a step abandoned midway) cannot be woken;
+                # it is left to the process group's destruction.
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _nbytes(msg: Message) -> int:
+    """The bytes of `msg`'s tensors."""
+    return sum(t.numel() * t.element_size() for t in msg.tensors)
+
+
+# `_recv_session`'s result when the peer said it failed.
+_ERROR = object()
+
+
+class _Outbox:
+    """Messages queued for one peer, and the frames posted to it that may still be in flight."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()  # guards everything but `posting`
+        self.items: List[tuple] = []  # (message, done event or None), not yet posted
+        self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
+        self.last_deadline = -_NEVER  # the latest hold_until set
+        self.wakes_at = _NEVER  # when the sender thread's wait ends by itself
+        self.posting = threading.Lock()  # one frame at a time, in queue order (see _post)
+        # Posted frames not yet known complete: (works, buffers, done events, description).
+        self.posted: collections.deque = collections.deque()
+
+
+def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:
+    """The frame-sized buffer kept for `peer` in `buffers` (made on first use), as a tensor for
+    gloo and the numpy array over the same memory."""
+    buf = buffers.get(peer)
+    if buf is None:
+        t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        buf = buffers[peer] = (t, t.numpy())
+    return buf
+
+
+# dtypes numpy holds natively: their bytes become a tensor without torch's reinterpreting views.
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
+                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
+                 torch.complex64: np.complex64, torch.complex128: np.complex128}
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """`t`'s data as a flat uint8 array (on the CPU, contiguous; a view when it already is)."""
+    if t.dtype in _NUMPY_DTYPES:
+        return np.ascontiguousarray(t.numpy(force=True)).reshape(-1).view(np.uint8)
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` holding a copy of `data` (fresh, aligned storage)."""
+    own = data.copy()
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is not None:
+        return torch.from_numpy(own.view(np_dtype).reshape(shape))
+    return torch.from_numpy(own).view(dtype).reshape(shape)

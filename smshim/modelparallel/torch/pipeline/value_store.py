@@ -1,0 +1,138 @@
+"""The tensors a pipeline rank holds for its peers, by key.
+
+A rank keeps here the results of the requests it served (forward outputs and backward input
+gradients, under the key of the call that made them) until some peer needs them, and the values
+peers sent it, until a request of its own uses them. Keys are unique across the pipeline (they
+start with the calling rank and its call id), so one store serves both.
+
+`want(key, dst)` is how a value leaves: sent at once if it is here, else as soon as `put` brings
+it. `get(key)` waits for a value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and
+from which rank. Values are dropped per microbatch (`drop_microbatch`) once nothing can ask for
+them any more, and all at the end of a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from smshim.modelparallel.torch.pipeline.transport import PipelineError
+
+Key = Tuple[Any, ...]
+
+
+class ValueStore:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
+        self._wanted: Dict[Key, List[int]] = {}
+        self._waiters: Dict[Key, List[tuple]] = {}
+        # Threads in `get`, by the key they wait for: a value wakes only its own waiters (on
+        # pp_rank 0 every microbatch's body may be waiting for a gradient at once).
+        self._getters: Dict[Key, List[threading.Event]] = {}
+        self._error: Optional[BaseException] = None
+
+    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[int]:
+        """Keep `value`; returns the ranks that asked for it before it existed (send it to them)."""
+        ready = []
+        with self._lock:
+            self._values[key] = (value, microbatch)
+            for event in self._getters.get(key, ()):
+                event.set()
+            for waiter in self._waiters.pop(key, []):
+                waiter[0].discard(key)
+                if not waiter[0]:
+                    ready.append(waiter[1])
+            wanted = self._wanted.pop(key, [])
+        for fn in ready:
+            fn()
+        return wanted
+
+    def when_ready(self, keys, fn: Callable[[], None]) -> None:
+        """Call `fn` once every key is here (at once if they are): a request waits for its
+        inputs without holding a thread."""
+        with self._lock:
+            missing = {k for k in keys if k not in self._values}
+            if missing:
+                waiter = (missing, fn)
+                for k in missing:
+                    self._waiters.setdefault(k, []).append(waiter)
+                return
+        fn()
+
+    def want(self, key: Key, dst: int) -> Optional[torch.Tensor]:
+        """The value if it is here (send it now); else remember that `dst` wants it."""
+        with self._lock:
+            entry = self._values.get(key)
+            if entry is not None:
+                return entry[0]
+            self._wanted.setdefault(key, []).append(dst)
+            return None
+
+    def peek(self, key: Key) -> Optional[torch.Tensor]:
+        with self._lock:
+            entry = self._values.get(key)
+            return None if entry is None else entry[0]
+
+    def get(self, key: Key, describe: Callable[[], str]) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        event: Optional[threading.Event] = None
+        try:
+            while True:
+                with self._lock:
+                    entry = self._values.get(key)
+                    if entry is not None:
+                        return entry[0]
+                    if self._error is not None:
+                        raise PipelineError(f"{describe()}: {self._error}") from self._error
+                    if event is None:
+                        event = threading.Event()
+                        self._getters.setdefault(key, []).append(event)
+                    else:
+                        event.clear()  # (a `put` after this check sets it again: none is lost)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(f"{describe()}: nothing came in {self.timeout_s:.0f} s "
+                                        "(SMSHIM_TIMEOUT sets this limit)")
+                event.wait(timeout=min(left, 1.0))
+        finally:
+            if event is not None:
+                with self._lock:
+                    getters = self._getters.get(key)
+                    if getters is not None:
+                        getters.remove(event)
+                        if not getters:
+                            del self._getters[key]
+
+    def drop_microbatch(self, microbatch: int,
+                        keep: Optional[Callable[[Key], bool]] = None) -> None:
+        """Drop the microbatch's values, but those whose key `keep` says to keep."""
+        with self._lock:
+            for key in [k for k, (_, mb) in self._values.items()
+                        if mb == microbatch and not (keep and keep(k))]:
+                del self._values[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self._wanted.clear()
+            self._waiters.clear()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = exc
+            for events in self._getters.values():
+                for event in events:
+                    event.set()
+
+    def reset_error(self) -> None:
+        with self._lock:
+            self._error = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._values)
