@@ -111,19 +111,12 @@ def plot_curve(values: Sequence[float], path: str, title: str, ylabel: str = "lo
 
 
 def plot_timeline(trace_dir: str, path: str, step: int) -> bool:
-    """Draw one step of a SMSHIM_TRACE directory with the repository's benchmarks/plot_timeline.py."""
+    """Draw one step of a SMSHIM_TRACE directory (what `smshim timeline` draws)."""
     if not have_matplotlib(os.path.basename(path)):
         return False
-    script = os.path.join(os.path.dirname(HERE), "benchmarks", "plot_timeline.py")
-    if not os.path.exists(script):
-        log(f"{script} not found (examples run outside the smshim repository?): skipping "
-            f"{os.path.basename(path)}")
-        return False
-    spec = importlib.util.spec_from_file_location("smshim_plot_timeline", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    spans = mod.load_spans(trace_dir, step)
-    mod.plot(spans, path, title=f"pipeline timeline, step {step}")
+    from smshim.timeline.plot import draw
+
+    draw(trace_dir, path, step, title=f"pipeline timeline, step {step}")
     return True
 
 

@@ -20,8 +20,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -140,6 +142,16 @@ def run_ranks(
     return [values[r] for r in range(nprocs)]
 
 
+def find_executable(name: str) -> Optional[str]:
+    """`name` (e.g. "mpirun") from this interpreter's environment first, then PATH: a virtual
+    environment's commands sit next to its python, and PATH lacks them when it is not activated
+    (`venv/bin/python -m pytest`)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.isfile(here) and os.access(here, os.X_OK):
+        return here
+    return shutil.which(name)
+
+
 def run_command(
     cmd: Sequence[str],
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -154,12 +166,19 @@ def run_command(
     """
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # The environment's own commands first (mpirun's helpers find each other on PATH).
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in full_env.get("PATH", "").split(os.pathsep):
+        full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
     for key, value in (env or {}).items():
         if value is None:
             full_env.pop(key, None)
         else:
             full_env[key] = value
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = list(cmd)
+    if cmd and os.sep not in cmd[0]:
+        cmd[0] = find_executable(cmd[0]) or cmd[0]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

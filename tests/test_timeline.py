@@ -250,7 +250,7 @@ def test_plot_timeline_png(tmp_path):
         tl.flush()
     out = tmp_path / "timeline.png"
     r = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "plot_timeline.py"), str(trace_dir), "-o", str(out), "--step", "1"],
+        [sys.executable, "-m", "smshim", "timeline", str(trace_dir), "-o", str(out), "--step", "1"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert r.returncode == 0, r.stderr
@@ -258,9 +258,16 @@ def test_plot_timeline_png(tmp_path):
     assert "2 rank(s), 18 span(s)" in r.stderr  # 2 ranks x 3 microbatches x (wait, fwd, bwd) of step 1
 
     # A step with no spans and a directory without traces are clear errors, not empty plots.
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plot_timeline.py"), str(trace_dir),
+    r = subprocess.run([sys.executable, "-m", "smshim", "timeline", str(trace_dir),
                         "-o", str(tmp_path / "x.png"), "--step", "9"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no forward/backward/wait spans" in r.stderr
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plot_timeline.py"), str(tmp_path / "none"),
+    r = subprocess.run([sys.executable, "-m", "smshim", "timeline", str(tmp_path / "none"),
                         "-o", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no trace_rank" in r.stderr
+
+
+def test_legend_names_every_colour_drawn():
+    from smshim.timeline.plot import COLOURS, DRAWN, LEGEND
+
+    assert set(LEGEND) == set(DRAWN) == set(COLOURS)
+    assert "transfer" in LEGEND

@@ -42,7 +42,8 @@ def _rank_and_group(members=None):
 def _ping_pong(n):
     import torch
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     other = 1 - me
@@ -98,7 +99,8 @@ def _held(hold_s):
     import torch
     import torch.distributed as dist
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     n = dist.get_world_size()
@@ -202,7 +204,8 @@ def _early(delay):
 
     import torch
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     got = []
@@ -243,7 +246,8 @@ def _hand_off(n):
     the values."""
     import torch
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     got, seen = [], {}
@@ -292,7 +296,8 @@ def _sessions(delay, stuck):
 
     import torch
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, PipelineError, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message, PipelineError)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     got = []
@@ -377,7 +382,8 @@ def _directions():
     """Three ranks; each sends one value to each other one."""
     import torch
 
-    from smshim.modelparallel.torch.pipeline.transport import VALUE, Message, Transport
+    from smshim.modelparallel.torch.pipeline.messages import (VALUE, Message)
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group()
     got, cond, log = [], threading.Condition(), []
@@ -420,7 +426,8 @@ def _failure_notice():
     import torch
     import torch.distributed as dist
 
-    from smshim.modelparallel.torch.pipeline.transport import PipelineError, Transport
+    from smshim.modelparallel.torch.pipeline.messages import PipelineError
+    from smshim.modelparallel.torch.pipeline.transport import Transport
 
     me, groups = _rank_and_group([1, 2])
     if me == 0:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from smshim.modelparallel.torch.pipeline.scheduler import FORWARD, ComputeLock
 from smshim.modelparallel.torch.pipeline.server import ModuleServer
 from smshim.timeline.recorder import Timeline
-from smshim.modelparallel.torch.pipeline.transport import PipelineError
+from smshim.modelparallel.torch.pipeline.messages import PipelineError
 from smshim.modelparallel.torch.pipeline.value_store import ValueStore
 from smshim.testing import run_ranks
 from tests.polling import wait_until

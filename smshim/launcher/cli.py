@@ -16,6 +16,7 @@ import sys
 import uuid
 from typing import Dict, List, NoReturn, Optional, Sequence
 
+from smshim.timeline import plot as timeline_plot
 from smshim.launcher.sagemaker_env import (
     Distribution,
     DistributionError,
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="where SM_MODEL_DIR (model/) and SM_OUTPUT_DATA_DIR (output/data/) point")
     r.add_argument("script", help="the training script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
+    t = sub.add_parser("timeline", help="draw a pipeline timeline (SMSHIM_TRACE=DIR) as a PNG")
+    timeline_plot.add_arguments(t)
     return p
 
 
@@ -182,4 +185,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=os.environ.get("SMSHIM_LOG_LEVEL", "WARNING"),
                         format="%(name)s: %(message)s")
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if a.command == "timeline":
+        raise SystemExit(timeline_plot.run(a))
     raise SystemExit(run(a))

@@ -27,7 +27,6 @@ Every wait is bounded by the runtime timeout (SMSHIM_TIMEOUT); the error names t
 from __future__ import annotations
 
 import datetime
-import enum
 import io
 import logging
 import operator
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from smshim.runtime import launch as _runtime
 from smshim.modelparallel.torch.errors import SMPRuntimeError, SMPValidationError
 from smshim.modelparallel.torch.state import require_init, state
+from smshim.modelparallel.torch.topology import CommGroup, RankType
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +50,6 @@ __all__ = [
 ]
 
 
-class CommGroup(enum.IntEnum):
-    WORLD = 0
-    PP_GROUP = 1
-    TP_GROUP = 2
-    RDP_GROUP = 3
-    DP_GROUP = 4
-    MP_GROUP = 5
-
-
-class RankType(enum.IntEnum):
-    """Which group a rank number refers to; same values as the matching CommGroup."""
-
-    WORLD_RANK = 0
-    PP_RANK = 1
-    TP_RANK = 2
-    RDP_RANK = 3
-    DP_RANK = 4
-    MP_RANK = 5
 
 
 # (header tag, payload tag) of the collective messages on the object group.

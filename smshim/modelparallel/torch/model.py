@@ -344,6 +344,8 @@ class DistributedModel(nn.Module):
             self.module, assignment, self._pp_ranks, self._pp_rank, self._groups,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
             _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
+        # Tensor-parallel collectives give the lock up while they wait (collectives.py says why).
+        tp_comm.set_compute_lock(self._pipeline.lock)
         activation_checkpointing.serve_functions(self, self._pipeline.server)
         self._setup_data_parallel()
         for fn in list(self._post_partition_hooks):
@@ -514,5 +516,6 @@ class DistributedModel(nn.Module):
     def _on_reset(self) -> None:
         self._reset_handle.remove()
         if self._pipeline is not None:
+            tp_comm.set_compute_lock(None)
             self._pipeline.close()
             self._pipeline = None

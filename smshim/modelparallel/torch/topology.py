@@ -28,13 +28,33 @@ rank 5 has (d, p, t) = (1, 0, 1), mp_rank = p*2 + t = 1, dp_rank = d*2 + t = 3.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, FrozenSet, List
 
-from smshim.modelparallel.torch.comm import CommGroup
 
-__all__ = ["Topology", "placement_order", "GROUP_AXES"]
+class CommGroup(enum.IntEnum):
+    WORLD = 0
+    PP_GROUP = 1
+    TP_GROUP = 2
+    RDP_GROUP = 3
+    DP_GROUP = 4
+    MP_GROUP = 5
+
+
+class RankType(enum.IntEnum):
+    """Which group a rank number refers to; same values as the matching CommGroup."""
+
+    WORLD_RANK = 0
+    PP_RANK = 1
+    TP_RANK = 2
+    RDP_RANK = 3
+    DP_RANK = 4
+    MP_RANK = 5
+
+
+__all__ = ["Topology", "placement_order", "GROUP_AXES", "CommGroup", "RankType"]
 
 _NAMED = {"cluster": "DPT", "spread": "TPD"}
 

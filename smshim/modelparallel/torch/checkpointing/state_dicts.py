@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
+import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from smshim.modelparallel.torch.tensor_parallel import shard as tp_shard
@@ -46,9 +47,8 @@ from smshim.modelparallel.torch.comm import CommGroup, allgather
 from smshim.modelparallel.torch.errors import SMPRuntimeError, SMPValidationError
 from smshim.modelparallel.torch.state import state
 
-if TYPE_CHECKING:
-    from smshim.modelparallel.torch.model import DistributedModel
-    from smshim.modelparallel.torch.optimizer import DistributedOptimizer
+# The model and optimizer are smp's DistributedModel and DistributedOptimizer, annotated by their
+# torch base classes: naming the API's own types here would make this module import the API.
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _add_tp_meta(sd: Dict[str, Any]) -> None:
         sd[TP_RANK_KEY] = topo.tp_rank
 
 
-def _defer(model: "DistributedModel", apply: Any) -> None:
+def _defer(model: nn.Module, apply: Any) -> None:
     """Run `apply()` right after partitioning, once, after any loads deferred before it."""
     pending = getattr(model, "_pending_loads", None)
     if pending is None:
@@ -155,7 +155,7 @@ def _defer(model: "DistributedModel", apply: Any) -> None:
 
 
 # Model ----------------------------------------------------------------------------------------
-def _module_names(model: "DistributedModel") -> Set[str]:
+def _module_names(model: nn.Module) -> Set[str]:
     return {name for name, _ in model.module.named_modules(remove_duplicate=False)}
 
 
@@ -166,7 +166,7 @@ def _owner_module(key: str, names: Set[str]) -> str:
     return prefix
 
 
-def _local_keys(model: "DistributedModel", structure: Dict[str, Any]) -> List[str]:
+def _local_keys(model: nn.Module, structure: Dict[str, Any]) -> List[str]:
     """The keys of the full state dict that this rank holds, in state-dict order."""
     module = model.module
     if model._pp_size == 1:
@@ -186,13 +186,13 @@ def _local_keys(model: "DistributedModel", structure: Dict[str, Any]) -> List[st
     return keys
 
 
-def _local_entries(model: "DistributedModel") -> Tuple["OrderedDict[str, Any]", List[str]]:
+def _local_entries(model: nn.Module) -> Tuple["OrderedDict[str, Any]", List[str]]:
     structure = model.module.state_dict(keep_vars=True)
     keys = _local_keys(model, structure)
     return structure, keys
 
 
-def model_state_dict(model: "DistributedModel", destination: Optional[Dict[str, Any]] = None,
+def model_state_dict(model: nn.Module, destination: Optional[Dict[str, Any]] = None,
                      prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
     """The full model state (see the module docstring). A PP-group collective when pp > 1 and
     the model is partitioned; `keep_vars` is honoured only where the module is whole."""
@@ -240,7 +240,7 @@ def _gather_tp_shards(sd: Dict[str, Any], structure: Dict[str, Any], prefix: str
         sd[k] = tp_shard.unshard([part[k] for part in parts], splits[k])
 
 
-def model_local_state_dict(model: "DistributedModel") -> Dict[str, Any]:
+def model_local_state_dict(model: nn.Module) -> Dict[str, Any]:
     """This rank's entries of the full state dict, plus the partial-dict metadata."""
     model._require_partitioned("local_state_dict")
     structure, keys = _local_entries(model)
@@ -267,7 +267,7 @@ def _format_key_errors(missing: Iterable[str], unexpected: Iterable[str], kind: 
     return " ".join(parts)
 
 
-def _check_partition(model: "DistributedModel", meta: Dict[str, Any]) -> None:
+def _check_partition(model: nn.Module, meta: Dict[str, Any]) -> None:
     saved = meta.get(PARTITION_KEY)
     if saved is None:
         return
@@ -284,7 +284,7 @@ def _check_partition(model: "DistributedModel", meta: Dict[str, Any]) -> None:
             "it is the same in both jobs, or save and load a full checkpoint")
 
 
-def _apply_model(model: "DistributedModel", meta: Dict[str, Any], body: "OrderedDict[str, Any]",
+def _apply_model(model: nn.Module, meta: Dict[str, Any], body: "OrderedDict[str, Any]",
                  strict: bool) -> _IncompatibleKeys:
     partial = _is_partial(meta)
     if partial:
@@ -309,7 +309,7 @@ def _apply_model(model: "DistributedModel", meta: Dict[str, Any], body: "Ordered
     return _IncompatibleKeys(missing, unexpected)
 
 
-def model_load_state_dict(model: "DistributedModel", sd: Dict[str, Any],
+def model_load_state_dict(model: nn.Module, sd: Dict[str, Any],
                           strict: bool = True) -> _IncompatibleKeys:
     """Load a full or partial state dict; see the module docstring for when it applies."""
     meta, body = _split_meta(sd)
@@ -339,7 +339,7 @@ def _param_indices(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     return mapping
 
 
-def _local_indices(dopt: "DistributedOptimizer") -> Optional[Set[int]]:
+def _local_indices(dopt: torch.optim.Optimizer) -> Optional[Set[int]]:
     """Indices of this rank's parameters; None when every parameter is local."""
     model = state.model
     if model is None or model._pp_size == 1:
@@ -349,7 +349,7 @@ def _local_indices(dopt: "DistributedOptimizer") -> Optional[Set[int]]:
     return {mapping[id(p)] for p in model.local_parameters() if id(p) in mapping}
 
 
-def _param_name(index: int, dopt: "DistributedOptimizer") -> str:
+def _param_name(index: int, dopt: torch.optim.Optimizer) -> str:
     model = state.model
     params = [p for g in dopt.optimizer.param_groups for p in g["params"]]
     if model is None or index >= len(params):
@@ -358,7 +358,7 @@ def _param_name(index: int, dopt: "DistributedOptimizer") -> str:
     return f"index {index} ({names.get(id(params[index]), 'not a model parameter')})"
 
 
-def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
+def optimizer_state_dict(dopt: torch.optim.Optimizer) -> Dict[str, Any]:
     """The full optimizer state in torch's format; a PP-group collective when pp > 1 (and a
     DP-group one with shard_optimizer_state)."""
     sd = dopt._torch_state_dict(gather=True)
@@ -380,7 +380,7 @@ def optimizer_state_dict(dopt: "DistributedOptimizer") -> Dict[str, Any]:
     return out
 
 
-def _sharded_params(dopt: "DistributedOptimizer") -> Dict[int, torch.Tensor]:
+def _sharded_params(dopt: torch.optim.Optimizer) -> Dict[int, torch.Tensor]:
     """index -> parameter, for the tensor-parallel shards among the optimizer's parameters."""
     params = [p for g in dopt.optimizer.param_groups for p in g["params"]]
     out: Dict[int, torch.Tensor] = {}
@@ -390,7 +390,7 @@ def _sharded_params(dopt: "DistributedOptimizer") -> Dict[int, torch.Tensor]:
     return out
 
 
-def _gather_tp_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> None:
+def _gather_tp_optimizer_state(dopt: torch.optim.Optimizer, st: Dict[int, Any]) -> None:
     """Full tensors, in place, for the per-parameter state tensors shaped like a shard (e.g.
     Adam's moments); a collective of the TP group when tp > 1."""
     if state.topology.tp_size == 1:
@@ -405,7 +405,7 @@ def _gather_tp_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any])
                                        tp_shard.split_of(sharded[i]))
 
 
-def _shard_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> Dict[int, Any]:
+def _shard_optimizer_state(dopt: torch.optim.Optimizer, st: Dict[int, Any]) -> Dict[int, Any]:
     """This rank's slices of the full per-parameter state tensors of tensor-parallel shards."""
     topo = state.topology
     if topo.tp_size == 1:
@@ -426,7 +426,7 @@ def _shard_optimizer_state(dopt: "DistributedOptimizer", st: Dict[int, Any]) -> 
     return out
 
 
-def optimizer_local_state_dict(dopt: "DistributedOptimizer",
+def optimizer_local_state_dict(dopt: torch.optim.Optimizer,
                                gather_if_shard: bool = True) -> Dict[str, Any]:
     """This rank's optimizer state (global indices) plus the partial-dict metadata."""
     sd = dopt._torch_state_dict(gather=gather_if_shard)
@@ -441,7 +441,7 @@ def optimizer_local_state_dict(dopt: "DistributedOptimizer",
     return sd
 
 
-def _apply_optimizer(dopt: "DistributedOptimizer", meta: Dict[str, Any],
+def _apply_optimizer(dopt: torch.optim.Optimizer, meta: Dict[str, Any],
                      body: Dict[str, Any]) -> None:
     if "state" not in body or "param_groups" not in body:
         raise SMPValidationError(
@@ -467,7 +467,7 @@ def _apply_optimizer(dopt: "DistributedOptimizer", meta: Dict[str, Any],
     dopt.optimizer.load_state_dict({"state": saved_state, "param_groups": body["param_groups"]})
 
 
-def optimizer_load_state_dict(dopt: "DistributedOptimizer", sd: Dict[str, Any]) -> None:
+def optimizer_load_state_dict(dopt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:
     meta, body = _split_meta(sd)
     if _is_partial(meta):
         _check_partial_meta(meta, "DistributedOptimizer.load_state_dict")

@@ -46,8 +46,10 @@ from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.state import state
 
 if TYPE_CHECKING:
-    from smshim.modelparallel.torch.model import DistributedModel
     from smshim.modelparallel.torch.pipeline.server import ModuleServer
+
+# `model` below is smp's DistributedModel, annotated as the nn.Module it is: naming the API's
+# type would make the engine import the API.
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:
     module.forward = checkpointed_forward
 
 
-def _install_group_forward(model: "DistributedModel", seq_name: str, seq: nn.Sequential,
+def _install_group_forward(model: nn.Module, seq_name: str, seq: nn.Sequential,
                            groups: List[Tuple[_Unit, bool]]) -> None:
     """The Sequential's forward, running its children group by group."""
     assignment = model._assignment
@@ -251,7 +253,7 @@ def _sequence(children: Sequence[nn.Module],
     return run
 
 
-def apply_marks(model: "DistributedModel") -> None:
+def apply_marks(model: nn.Module) -> None:
     """Install the checkpointing wrappers for every mark (before the pipeline's server captures
     the modules' forwards). Called once the partition is known."""
     if getattr(model, "_ckpt_applied", False):
@@ -278,7 +280,7 @@ def apply_marks(model: "DistributedModel") -> None:
                     model._pp_rank)
 
 
-def serve_functions(model: "DistributedModel", server: "ModuleServer") -> None:
+def serve_functions(model: nn.Module, server: "ModuleServer") -> None:
     """Let the owner run "<module>#ckpt" and "<seq>#ckpt[a:b]" requests."""
     modules = dict(model.module.named_modules())
 

@@ -7,11 +7,7 @@ import logging
 import time
 
 from smshim.modelparallel.torch.pipeline.context import ctx
-from smshim.modelparallel.torch.pipeline.transport import (
-    FWD_REQ,
-    Message,
-    PipelineError,
-)
+from smshim.modelparallel.torch.pipeline.messages import (FWD_REQ, Message, PipelineError)
 
 logger = logging.getLogger(__name__)
 

@@ -21,15 +21,7 @@ from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
-from smshim.modelparallel.torch.pipeline.transport import (
-    BWD_REQ,
-    FETCH,
-    FWD_REQ,
-    SEND_TO,
-    VALUE,
-    Message,
-    PipelineError,
-)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
 logger = logging.getLogger(__name__)

@@ -31,14 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from smshim.modelparallel.torch.precision import autocast_state
-from smshim.modelparallel.torch.tensor_parallel import collectives as tp_comm
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD, ComputeLock, Schedule, make_schedule
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.server import ModuleServer
 from smshim.modelparallel.torch.state import state
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
 from smshim.timeline.recorder import Timeline
-from smshim.modelparallel.torch.pipeline.transport import STEP_END, Message, PipelineError, Transport
+from smshim.modelparallel.torch.pipeline.messages import (STEP_END, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.modelparallel.torch.pipeline.workers import Workers, adopt_intra_op_threads
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,6 @@ class Pipeline:
         self.timeline = timeline
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
-        # Tensor-parallel collectives give the lock up while they wait (tp_comm.py says why).
-        tp_comm.set_compute_lock(self.lock)
         self.stages = len(ranks)
         self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
                                    device, deterministic)
@@ -324,7 +322,6 @@ class Pipeline:
             self.timeline.flush()
 
     def close(self) -> None:
-        tp_comm.set_compute_lock(None)
         self.server.remove_proxies()
         self.transport.shutdown()
         self._bodies.stop()

@@ -82,21 +82,8 @@ from smshim.modelparallel.torch.pipeline.scheduler import (
 )
 from smshim.modelparallel.torch.pipeline.serving import OwnerSide, _needs
 from smshim.modelparallel.torch.pipeline.step_end import StepEnd
-from smshim.modelparallel.torch.pipeline.transport import (
-    BWD_REQ,
-    FETCH,
-    FWD_DONE,
-    FWD_REPLY,
-    FWD_REQ,
-    MB_DONE,
-    NESTED_DONE,
-    SEND_TO,
-    STEP_END,
-    VALUE,
-    Message,
-    PipelineError,
-    Transport,
-)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, NESTED_DONE, SEND_TO, STEP_END, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.modelparallel.torch.pipeline.turns import Turns
 from smshim.modelparallel.torch.pipeline.value_store import ValueStore
 from smshim.modelparallel.torch.pipeline.workers import adopt_intra_op_threads

@@ -20,13 +20,7 @@ from smshim.modelparallel.torch.pipeline.context import _serving, ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
-from smshim.modelparallel.torch.pipeline.transport import (
-    FWD_REPLY,
-    FWD_REQ,
-    VALUE,
-    Message,
-    PipelineError,
-)
+from smshim.modelparallel.torch.pipeline.messages import (FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 from smshim.modelparallel.torch.state import state
 

@@ -17,13 +17,7 @@ from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import Schedule
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
-from smshim.modelparallel.torch.pipeline.transport import (
-    FWD_DONE,
-    MB_DONE,
-    NESTED_DONE,
-    Message,
-    PipelineError,
-)
+from smshim.modelparallel.torch.pipeline.messages import (FWD_DONE, MB_DONE, NESTED_DONE, Message, PipelineError)
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import pickle
 import threading
@@ -48,48 +47,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from smshim.modelparallel.torch.pipeline.frames import (_PREFIX, FRAME_BYTES, _as_bytes, _frame_buffer,
+                                                       _from_bytes)
+from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
+                                                         PipelineError, _nbytes)
 from smshim.modelparallel.torch.pipeline.workers import Workers
 
 logger = logging.getLogger(__name__)
 
-# Message kinds. Requests (server.py): run a module's forward / backward; a forward's output
-# metadata or values when the caller waits for them; a value (activation or gradient) travelling
-# from the rank that holds it to the rank that needs it; asking a rank to send a value it holds to
-# another rank or to the asker; pp_rank 0 saying a microbatch's forward / whole step is done; a
-# rank saying it will send no more requests for the step's nested calls (server.finish_nested).
-FWD_REQ, FWD_REPLY, BWD_REQ = "fwd_req", "fwd_reply", "bwd_req"
-VALUE, SEND_TO, FETCH = "value", "send_to", "fetch"
-FWD_DONE, MB_DONE, NESTED_DONE = "fwd_done", "mb_done", "nested_done"
-STEP_END, CLOSE, ERROR = "step_end", "close", "error"
 
-
-class PipelineError(RuntimeError):
-    """A pipeline peer failed, stopped taking part, or a wait timed out."""
-
-
-@dataclasses.dataclass
-class Message:
-    kind: str
-    step: int = 0
-    microbatch: int = -1
-    call_id: int = -1
-    module: str = ""
-    meta: Any = None  # pickled with the header: structure specs, non-tensor leaves, flags
-    tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    src: int = -1  # filled in on receipt (pp rank of the sender)
-
-    def describe(self) -> str:
-        what = {FWD_REQ: "forward", FWD_REPLY: "forward", BWD_REQ: "backward",
-                VALUE: "value", SEND_TO: "send request", FETCH: "fetch"}.get(self.kind, self.kind)
-        mod = f" of module '{self.module}'" if self.module else ""
-        mb = f", microbatch {self.microbatch}" if self.microbatch >= 0 else ""
-        return f"{what}{mod}{mb} (step {self.step})"
-
-
-FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
 # Posted frames the sender thread lets accumulate before it waits for them (see `_send_loop`).
 _MAX_POSTED = 8
-_PREFIX = 16  # two int64 lengths
 # The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
 # pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
 # that held them normally flushes them well before.
@@ -580,11 +548,6 @@ class Transport:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _nbytes(msg: Message) -> int:
-    """The bytes of `msg`'s tensors."""
-    return sum(t.numel() * t.element_size() for t in msg.tensors)
-
-
 # `_recv_session`'s result when the peer said it failed.
 _ERROR = object()
 
@@ -602,36 +565,3 @@ class _Outbox:
         # Posted frames not yet known complete: (works, buffers, done events, description).
         self.posted: collections.deque = collections.deque()
 
-
-def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:
-    """The frame-sized buffer kept for `peer` in `buffers` (made on first use), as a tensor for
-    gloo and the numpy array over the same memory."""
-    buf = buffers.get(peer)
-    if buf is None:
-        t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        buf = buffers[peer] = (t, t.numpy())
-    return buf
-
-
-# dtypes numpy holds natively: their bytes become a tensor without torch's reinterpreting views.
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
-                 torch.complex64: np.complex64, torch.complex128: np.complex128}
-
-
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    """`t`'s data as a flat uint8 array (on the CPU, contiguous; a view when it already is)."""
-    if t.dtype in _NUMPY_DTYPES:
-        return np.ascontiguousarray(t.numpy(force=True)).reshape(-1).view(np.uint8)
-    t = t.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A tensor of `dtype` and `shape` holding a copy of `data` (fresh, aligned storage)."""
-    own = data.copy()
-    np_dtype = _NUMPY_DTYPES.get(dtype)
-    if np_dtype is not None:
-        return torch.from_numpy(own.view(np_dtype).reshape(shape))
-    return torch.from_numpy(own).view(dtype).reshape(shape)

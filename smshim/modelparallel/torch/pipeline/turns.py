@@ -19,7 +19,7 @@ import time
 from typing import Callable, Dict, List
 
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
-from smshim.modelparallel.torch.pipeline.transport import PipelineError
+from smshim.modelparallel.torch.pipeline.messages import PipelineError
 
 
 class Turns:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from smshim.modelparallel.torch.pipeline.transport import PipelineError
+from smshim.modelparallel.torch.pipeline.messages import PipelineError
 
 Key = Tuple[Any, ...]
 

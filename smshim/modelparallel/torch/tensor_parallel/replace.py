@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 from torch import nn
 
-from smshim.modelparallel.torch import nn as smp_nn
+from smshim.modelparallel.torch.tensor_parallel import nn as smp_nn
 from smshim.modelparallel.torch.tensor_parallel.nn import hf_bert
 from smshim.modelparallel.torch.tensor_parallel.nn import hf_gpt2
 from smshim.modelparallel.torch.tensor_parallel.nn import hf_gpt_neox

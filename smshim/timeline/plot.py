@@ -1,10 +1,10 @@
 """Draw the pipeline timeline written with ``SMSHIM_TRACE=<dir>`` as a PNG.
 
-    python benchmarks/plot_timeline.py DIR -o timeline.png [--step N]
+    smshim timeline DIR -o timeline.png [--step N]      (or, from Python, `draw(DIR, PNG, step)`)
 
 One row per rank; a bar per forward (blue) / backward (orange) span with its microbatch number
-written in it where it fits, weight gradients computed in the bubbles (purple); sends (green) and
-waits (light grey) behind them. The x axis is milliseconds from the
+written in it where it fits, weight gradients computed in the bubbles (purple); frames on the
+wire (green, "transfer") and waits (light grey) behind them. The x axis is milliseconds from the
 first span shown (ranks on one host share a clock, so their rows line up).
 """
 
@@ -22,13 +22,20 @@ COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight_grad": "#9467bd"
            "transfer": "#2ca02c"}
 # Drawing order: waits underneath.
 DRAWN = ("wait", "transfer", "forward", "backward", "weight_grad")
+# Legend order: every colour drawn, work first.
+LEGEND = ("forward", "backward", "weight_grad", "transfer", "wait")
+assert set(LEGEND) == set(DRAWN) == set(COLOURS)
+
+
+class TimelineError(ValueError):
+    """Nothing to draw: no trace files, or no spans for the step asked for."""
 
 
 def load_spans(directory: str, step: Optional[int] = None) -> Dict[int, List[Dict[str, Any]]]:
     """rank -> complete ("X") events of the drawn categories, optionally only those of ``step``."""
     paths = sorted(glob.glob(os.path.join(directory, "trace_rank*.json")))
     if not paths:
-        raise SystemExit(f"no trace_rank*.json files in {directory!r} (was SMSHIM_TRACE set to it?)")
+        raise TimelineError(f"no trace_rank*.json files in {directory!r} (was SMSHIM_TRACE set to it?)")
     spans: Dict[int, List[Dict[str, Any]]] = {}
     for path in paths:
         m = re.search(r"trace_rank(\d+)\.json$", path)
@@ -51,15 +58,15 @@ def plot(spans: Dict[int, List[Dict[str, Any]]], out: str, title: Optional[str] 
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plot_timeline.py needs matplotlib: pip install matplotlib "
-                         "(or pip install 'smshim[examples]')") from None
+        raise TimelineError("drawing a timeline needs matplotlib: pip install matplotlib "
+                            "(or pip install 'smshim[examples]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     all_spans = [e for s in spans.values() for e in s]
     if not all_spans:
-        raise SystemExit("no forward/backward/wait spans to draw (wrong --step?)")
+        raise TimelineError("no forward/backward/wait spans to draw (wrong --step?)")
     t0 = min(e["ts"] for e in all_spans)
     t1 = max(e["ts"] + e["dur"] for e in all_spans)
     total_ms = max((t1 - t0) / 1000.0, 1e-6)
@@ -91,26 +98,37 @@ def plot(spans: Dict[int, List[Dict[str, Any]]], out: str, title: Optional[str] 
     ax.set_title(title or "smshim pipeline timeline", loc="left")
     # Legend above the axes, beside the title, so it never hides a bar.
     ax.legend(handles=[Patch(color=COLOURS[c], label=c.replace("_", " "))
-                       for c in ("forward", "backward", "weight_grad", "wait")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False)
+                       for c in LEGEND],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(LEGEND), frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def draw(directory: str, out: str, step: Optional[int] = None,
+         title: Optional[str] = None) -> int:
+    """Draw the traces in `directory` (one step, or all) to the PNG `out`; returns the number of
+    spans drawn. Raises TimelineError when there is nothing to draw."""
+    spans = load_spans(directory, step)
+    if title is None and step is not None:
+        title = f"smshim pipeline timeline, step {step}"
+    plot(spans, out, title)
+    return sum(len(s) for s in spans.values())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`smshim timeline`'s arguments."""
     p.add_argument("directory", help="directory given as SMSHIM_TRACE (holds trace_rank*.json)")
     p.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default timeline.png)")
     p.add_argument("--step", type=int, default=None, help="only draw spans whose args.step equals N")
-    a = p.parse_args(argv)
-    spans = load_spans(a.directory, a.step)
-    title = f"smshim pipeline timeline, step {a.step}" if a.step is not None else None
-    plot(spans, a.output, title)
-    n = sum(len(s) for s in spans.values())
-    sys.stderr.write(f"wrote {a.output}: {len(spans)} rank(s), {n} span(s)\n")
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        n = draw(a.directory, a.output, a.step)
+    except TimelineError as e:
+        sys.stderr.write(f"smshim timeline: error: {e}\n")
+        return 2
+    ranks = len(glob.glob(os.path.join(a.directory, "trace_rank*.json")))
+    sys.stderr.write(f"wrote {a.output}: {ranks} rank(s), {n} span(s)\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

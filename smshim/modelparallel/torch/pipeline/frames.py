@@ -1,0 +1,48 @@
+"""The bytes of a frame: a prefix of two int64 lengths, the pickled message headers, then the
+tensors' bytes, assembled with numpy (transport.py posts and receives them)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+import torch
+
+FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
+
+
+_PREFIX = 16  # two int64 lengths
+
+
+def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:
+    """The frame-sized buffer kept for `peer` in `buffers` (made on first use), as a tensor for
+    gloo and the numpy array over the same memory."""
+    buf = buffers.get(peer)
+    if buf is None:
+        t = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        buf = buffers[peer] = (t, t.numpy())
+    return buf
+
+
+# dtypes numpy holds natively: their bytes become a tensor without torch's reinterpreting views.
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
+                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
+                 torch.complex64: np.complex64, torch.complex128: np.complex128}
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """`t`'s data as a flat uint8 array (on the CPU, contiguous; a view when it already is)."""
+    if t.dtype in _NUMPY_DTYPES:
+        return np.ascontiguousarray(t.numpy(force=True)).reshape(-1).view(np.uint8)
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` holding a copy of `data` (fresh, aligned storage)."""
+    own = data.copy()
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is not None:
+        return torch.from_numpy(own.view(np_dtype).reshape(shape))
+    return torch.from_numpy(own).view(dtype).reshape(shape)
