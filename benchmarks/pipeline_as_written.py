@@ -275,8 +275,7 @@ def _traced(p: int, m: int, schedule: str, partition: str) -> int:
 
 
 def draw_trace(trace_dir: str, p: int, m: int, schedule: str, partition: str, out: str) -> str:
-    sys.path.insert(0, HERE)
-    import plot_timeline
+    from smshim.timeline.plot import draw
 
     os.makedirs(trace_dir, exist_ok=True)
     for old in os.listdir(trace_dir):
@@ -284,8 +283,7 @@ def draw_trace(trace_dir: str, p: int, m: int, schedule: str, partition: str, ou
             os.remove(os.path.join(trace_dir, old))
     step = run_ranks(_traced, p, p, m, schedule, partition, timeout=300,
                      env={"SMSHIM_TRACE": os.path.abspath(trace_dir)})[0]
-    plot_timeline.plot(plot_timeline.load_spans(trace_dir, step), out,
-                       f"smshim {schedule}, MLP as written, pp={p}, m={m}, step {step}")
+    draw(trace_dir, out, step, f"smshim {schedule}, MLP as written, pp={p}, m={m}, step {step}")
     return out
 
 

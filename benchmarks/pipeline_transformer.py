@@ -317,8 +317,7 @@ def _summarise(results: List[Dict[str, Any]], m: int, schedule: str, partition: 
 
 
 def _draw_traces(trace_dir: str, m: int) -> List[str]:
-    sys.path.insert(0, HERE)
-    import plot_timeline
+    from smshim.timeline.plot import draw
 
     written = []
     for schedule in ("simple", "interleaved"):
@@ -330,8 +329,7 @@ def _draw_traces(trace_dir: str, m: int) -> List[str]:
         step = run_ranks(_traced, 2, m, schedule, "manual", timeout=180,
                          env={"SMSHIM_TRACE": d})[0]
         out = os.path.join(RESULTS, f"timeline_{schedule}.png")
-        plot_timeline.plot(plot_timeline.load_spans(d, step), out,
-                           f"smshim {schedule}, GPT 2 stages, m={m}, step {step}")
+        draw(d, out, step, f"smshim {schedule}, GPT 2 stages, m={m}, step {step}")
         written.append(out)
     return written
 

@@ -172,11 +172,11 @@ def test_sequential_strategies_pp2(kind, strategy, groups_on):
     if kind == "seqroot":
         # children 0 (input Linear), blocks 1-2 on stage 0; blocks 3-6 and the head on stage 1
         manual = {str(i): 1 for i in range(3, 8)}
-        seq, blocks = "", [str(i) for i in range(1, 7)]
+        blocks = [str(i) for i in range(1, 7)]
         marks = {"": {"strategy": strategy}}
     else:
         manual = {"body.3": 1, "body.4": 1, "body.5": 1, "head": 1}
-        seq, blocks = "body", [f"body.{i}" for i in range(6)]
+        blocks = [f"body.{i}" for i in range(6)]
         marks = {"body": {"strategy": strategy}}
     results = run_ranks(_job, 2, kind, cfg, marks, manual, timeout=150)
     _check(results, run_reference(kind))

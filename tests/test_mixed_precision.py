@@ -92,7 +92,7 @@ def _train(cfg, dtype_name, opt_kwargs, steps=3, batch=8, clip=None, inf=None, c
         model.backward(loss)
         return loss
 
-    flags, scales, norms, hook = [], [], [], None
+    flags, scales, norms = [], [], []
     for step, (x, y) in enumerate(batches("net", steps, batch)):
         k = batch // dp
         x, y = x[dp_rank * k:(dp_rank + 1) * k], y[dp_rank * k:(dp_rank + 1) * k]

@@ -1,8 +1,14 @@
 """`smdistributed.modelparallel.torch` (import as `smp`): SageMaker model parallelism v1.
 
+This folder is the public face. Its ground modules (errors, config, topology, state, comm) are
+what every part below stands on; its API (this file, model, optimizer, step, amp, nn/) is built
+from the parts in the subfolders: `pipeline/` (the engine), `tensor_parallel/`, `precision/`,
+`checkpointing/`. Imports point from the API down to the parts and from the parts down to the
+ground, never back up (tests/test_imports.py).
+
 This file holds initialisation, ranks and groups, object communication and the Adv entry points;
-the pipeline engine (step, DistributedModel, DistributedOptimizer, partitioning, checkpoints) is
-imported at the end.
+the API built on the engine (step, DistributedModel, DistributedOptimizer, partitioning,
+checkpoints) is imported at the end.
 
 `smp.init(config)` merges `config` with SM_HP_MP_PARAMETERS (the environment wins), validates it
 (config.py: every rank raises the same error before any collective), brings up the default process
