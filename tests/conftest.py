@@ -7,3 +7,29 @@ import os
 # so that the fused path is exercised together with every feature; test_weight_grad.py checks
 # the default threshold itself.
 os.environ.setdefault("SMSHIM_FUSED_WGRAD_MIN_NUMEL", "0")
+
+
+# ---- `-m "not slow"`: the quick part of the suite (single- and 2-process tests) ------------------
+# Slow: tests that start more than 2 processes, a launcher (mpirun, torchrun, `smshim run`), an
+# example script, or a sweep. A new test of that kind belongs in one of these lists.
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+SLOW_MODULES = {
+    "test_examples.py", "test_restart.py", "test_gpt2_aws_style.py", "test_mpi_flavours.py",
+    "test_huggingface.py", "test_tensor_parallel_hf.py", "test_random_models.py",
+    "test_smp_topology.py", "test_smddp_backend.py",
+}
+SLOW_TESTS = re.compile("|".join([
+    r"mpirun", r"torchrun", r"smshim_run", r"launch", r"restart", r"processes",
+    r"test_net_matches_single_process\[4-", r"\[4\]", r"\[4-", r"pp4", r"pp2_dp2", r"pp2_tp2",
+    r"tp2_dp2", r"dp2", r"spec_table", r"permutations",
+    r"test_launcher\.py::test_(modelparallel|dataparallel|plain|failing)",
+]))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES or SLOW_TESTS.search(item.nodeid):
+            item.add_marker(pytest.mark.slow)
