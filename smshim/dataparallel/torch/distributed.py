@@ -1,6 +1,6 @@
 """`smdistributed.dataparallel.torch.distributed`: the smddp function API on torch.distributed.
 
-Rank and size come from the launcher (torchrun, mpirun, `smshim run`); see smshim/_runtime.py.
+Rank and size come from the launcher (torchrun, mpirun, `smshim run`); see smshim/runtime/launch.py.
 `group` arguments take `group.WORLD` (the documented value) or a group from `new_group`.
 """
 

@@ -32,7 +32,7 @@ Dependencies and the choices made where SPEC leaves room:
 Adv keys (SPEC §3), decided one by one. Implemented: fp16 / bf16 (the model runs in that dtype,
 DistributedOptimizer keeps fp32 master weights and scales the loss; mixed_precision.py), fp16_params
 (needs fp16), shard_optimizer_state (needs ddp; optimizer_sharding.py); fp16 with bf16 is an error
-naming both. tensor_parallel_degree (smp.nn, tensor_parallel.py) with prescaled_batch: false, the
+naming both. tensor_parallel_degree (smp.nn, tensor_parallel/replace.py) with prescaled_batch: false, the
 TP ranks of a group hold different batches that the distributed modules gather; true, they hold
 the same batch (with tp = 1 it changes nothing, since rdp == dp). Rejected with
 SMPUnsupportedError (a NotImplementedError) naming the key when set to a non-default value,

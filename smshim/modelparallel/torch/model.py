@@ -357,7 +357,7 @@ class DistributedModel(nn.Module):
         (the same bucketed reducer as smdistributed.dataparallel's DistributedDataParallel).
 
         With tensor parallelism the TP ranks of a stage hold different shards, so the parameters
-        of the smp.nn modules ("TP-managed", tp_shard.py) are made identical and averaged over
+        of the smp.nn modules ("TP-managed", tensor_parallel/shard.py) are made identical and averaged over
         the RDP group (the ranks holding the same shard), the others over the DP group. Unless
         prescaled_batch, a TP-managed gradient already sums the contributions of the TP group's
         tp_size batches (the modules gather them), so it is divided by tp_size as well: both

@@ -1,7 +1,7 @@
 """`smdistributed.dataparallel.torch.parallel.distributed.DistributedDataParallel`.
 
 Gradients are averaged over the workers in buckets, reduced asynchronously while backward runs
-(see smshim/_reducer.py). Parameters and buffers start out as rank 0's.
+(see smshim/reducer/grad_reducer.py). Parameters and buffers start out as rank 0's.
 """
 
 from __future__ import annotations
