@@ -1,0 +1,72 @@
+"""A tiny HF Llama under the script's own, unchanged FSDP call trains exactly like one process on
+the same global batch (fp32, < 1e-5) at every hybrid_shard_degree case, sharding over the groups
+the degree names; the end-of-training full state dict (offload_to_cpu, rank0_only) works on CPU."""
+
+import pytest
+import torch
+
+from smshim.testing import run_ranks
+from tests import tsm_helpers as h
+
+REF = None
+
+
+def _reference():
+    global REF
+    if REF is None:
+        REF = h.reference()
+    return REF
+
+
+def _check(result, expect_ranks):
+    ref, ref_losses = _reference()
+    assert result["shard_ranks"] == expect_ranks, result["shard_ranks"]
+    full = result["full"]
+    assert sorted(full) == sorted(ref), sorted(set(full) ^ set(ref))
+    worst = max((full[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("hsd,groups", [
+    (2, [[0, 1], [0, 1], [2, 3], [2, 3]]),
+    (4, [[0, 1, 2, 3]] * 4),
+])
+def test_hybrid_shard_degree_k(hsd, groups):
+    results = run_ranks(h.train_fsdp, 4, {"hybrid_shard_degree": hsd},
+                        ("HYBRID_SHARD", "FULL_SHARD"), timeout=240)
+    for rank, r in enumerate(results):
+        # Any strategy becomes HYBRID_SHARD over groups of `hsd` ranks, replicated across groups.
+        for strategy in ("HYBRID_SHARD", "FULL_SHARD"):
+            assert r[strategy]["strategy"] == "HYBRID_SHARD"
+            assert r[strategy]["shard_ranks"] == groups[rank]
+    _check(results[0]["HYBRID_SHARD"], groups[0])
+    _check(results[0]["FULL_SHARD"], groups[0])
+    # Sharded: each rank holds 1/hsd of the parameters (plus padding).
+    full = sum(v.numel() for v in _reference()[0].values())
+    assert results[1]["HYBRID_SHARD"]["local_numel"] <= full // hsd + 64
+
+
+def test_hybrid_shard_degree_1_is_no_shard():
+    results = run_ranks(h.train_fsdp, 4, {"hybrid_shard_degree": 1}, ("HYBRID_SHARD",), timeout=240)
+    for r in results:
+        assert r["HYBRID_SHARD"]["strategy"] == "NO_SHARD"
+    _check(results[0]["HYBRID_SHARD"], [0, 1, 2, 3])
+
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def test_hybrid_shard_degree_0_is_stock_fsdp_for_each_strategy():
+    # From the job's SM_HP_MP_PARAMETERS, as on SageMaker (no argument to tsm.init).
+    results = run_ranks(_train_from_job, 4, STRATEGIES, timeout=300)
+    for s in STRATEGIES:
+        assert results[0][s]["strategy"] == s
+        # Stock: the whole world (one host: HYBRID's node group is every rank).
+        _check(results[0][s], [0, 1, 2, 3])
+
+
+def _train_from_job(strategies):
+    import os
+
+    os.environ["SM_HP_MP_PARAMETERS"] = '{"hybrid_shard_degree": 0, "placement_strategy": "cluster"}'
+    return h.train_fsdp(None, strategies)
