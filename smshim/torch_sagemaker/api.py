@@ -53,6 +53,7 @@ def _fill_state(cfg: TsmConfig) -> None:
     s.allow_empty_shards = cfg.allow_empty_shards
     s.random_seed = cfg.random_seed
     s.ranker = Ranker(d)
+    s.background_groups = topology.background_groups(d)
     tracker = s.get_rng_state_tracker()
     tracker.reset()
     tracker.add(DEFAULT_NAME, cfg.random_seed + (s.tp_rank if d.tp > 1 else s.ep_rank))

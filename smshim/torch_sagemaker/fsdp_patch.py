@@ -75,8 +75,18 @@ def _with_post_init(param_init_fn: Optional[Callable], post: Optional[Callable])
     return init_then_post
 
 
+_node_groups_cache: Dict[str, Any] = {}
+
+
+def _node_groups():
+    """(local ranks, nodes) process groups for stock HYBRID_SHARD on a CPU host (built once)."""
+    if "groups" not in _node_groups_cache:
+        mesh = _node_mesh()
+        _node_groups_cache["groups"] = (mesh["shard"].get_group(), mesh["rep"].get_group())
+    return _node_groups_cache["groups"]
+
+
 def _node_mesh():
-    """(nodes, local ranks) mesh for stock HYBRID_SHARD on a CPU host."""
     import os
 
     import torch.distributed as dist
@@ -90,6 +100,13 @@ def _node_mesh():
     return init_device_mesh("cpu", (world // local, local), mesh_dim_names=("rep", "shard"))
 
 
+def _hybrid_groups():
+    """(shard, replicate) process groups from tsm.state's mesh. Given as groups, not as a 2-D
+    slice of the mesh: FSDP1 builds its sharded state dict's DTensors on the slice's root mesh
+    and shards them along that root's first dimension (the replicas), which DCP then rejects."""
+    return (state.mesh["shard"].get_group(), state.mesh["rep"].get_group())
+
+
 def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
     """The strategy and group arguments the job's degrees give a script's root FSDP call."""
     d, mesh, hsd = state.degrees, state.mesh, state.hybrid_shard_degree
@@ -99,7 +116,7 @@ def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
             logger.info("hybrid_shard_degree=%d: FSDP sharding_strategy %s becomes HYBRID_SHARD",
                         hsd, strategy.name)
             strategy = ShardingStrategy.HYBRID_SHARD
-        return {"sharding_strategy": strategy, "device_mesh": mesh["rep", "shard"]}
+        return {"sharding_strategy": strategy, "process_group": _hybrid_groups()}
     if hsd == 1:
         if strategy != ShardingStrategy.NO_SHARD:
             logger.info("hybrid_shard_degree=1: FSDP sharding_strategy %s becomes NO_SHARD",
@@ -110,8 +127,8 @@ def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
     # hybrid_shard_degree 0: stock behaviour over the ranks with this TP/EP rank.
     if strategy in _HYBRID:
         if d.mp == 1 and d.cp == 1:
-            return {"sharding_strategy": strategy, "device_mesh": _node_mesh()} if _cpu_only() else {}
-        return {"sharding_strategy": strategy, "device_mesh": mesh["rep", "shard"]}
+            return {"sharding_strategy": strategy, "process_group": _node_groups()} if _cpu_only() else {}
+        return {"sharding_strategy": strategy, "process_group": _hybrid_groups()}
     if d.mp == 1:
         return {"sharding_strategy": strategy}
     return {"sharding_strategy": strategy, "process_group": mesh["dp"].get_group()}

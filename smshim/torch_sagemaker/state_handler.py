@@ -61,6 +61,7 @@ class State:
         self.allow_empty_shards = False
         self.random_seed = 12345
         self.ranker: Optional[Ranker] = None
+        self.background_groups: dict = {}  # gloo twins by ranks, for background checkpoint writes
         self._rng_tracker = RngStateTracker()
 
     # Aliases scripts use interchangeably with the degree names.

@@ -61,3 +61,25 @@ def build_mesh(d: Degrees, device_type: str):
     mesh["rep", "dp_shard", "cp"]._flatten("dp")
     mesh["dp_shard", "cp", "mp"]._flatten("replica")
     return mesh
+
+
+def groups_by_ranks(mesh) -> dict:
+    """{sorted global ranks: this rank's group} for every dimension and flattened view of `mesh`."""
+    import torch.distributed as dist
+
+    out = {}
+    for name in MESH_DIMS + ("shard", "dp", "replica"):
+        group = mesh[name].get_group()
+        out[tuple(sorted(dist.get_process_group_ranks(group)))] = group
+    return out
+
+
+def background_groups(d: Degrees) -> dict:
+    """gloo twins of the layout's groups (and of the world), for checkpoint writes that run in a
+    background thread: collectives from two threads must never share a group. Built by every
+    rank together (init), since torch names groups by a counter every rank must advance alike."""
+    import torch.distributed as dist
+
+    twins = groups_by_ranks(build_mesh(d, "cpu"))
+    twins[tuple(range(d.world_size))] = dist.new_group(backend="gloo")
+    return twins

@@ -2,14 +2,18 @@
 
 `coordinator_rank` is a global rank; DCP coordinates through rank 0 of `process_group`, which is
 the smallest rank of the group, so the two agree whenever scripts pass min(group) (they do). An
-asynchronous save runs DCP's collectives in a background thread: it gets its own gloo group (same
-ranks), so they never interleave with the training's collectives on the script's group.
+asynchronous save runs DCP's collectives in a background thread: it uses the gloo twin with the
+same ranks that `tsm.init` made (`state.background_groups`: every group of the layout, its
+replication groups and the world), so they never interleave with the training's collectives on
+the script's group. For any other group the save is written synchronously (with a warning):
+creating a twin then would need every rank of the world, and only the saving ranks are here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -20,7 +24,6 @@ from smshim.torch_sagemaker.distributed.checkpoint.filesystem import Distributed
 logger = logging.getLogger(__name__)
 
 _default_queue = AsyncCallsQueue()
-_background_groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def _ranks(process_group: Optional[dist.ProcessGroup]) -> List[int]:
@@ -60,13 +63,10 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_writer=None,
              process_group=process_group)
 
 
-def _background_group(process_group) -> dist.ProcessGroup:
-    ranks = tuple(_ranks(process_group))
-    group = _background_groups.get(ranks)
-    if group is None:
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        _background_groups[ranks] = group
-    return group
+def _background_group(process_group) -> Optional[dist.ProcessGroup]:
+    from smshim.torch_sagemaker.state_handler import state
+
+    return state.background_groups.get(tuple(_ranks(process_group)))
 
 
 def async_save(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_writer=None, planner=None,
@@ -78,8 +78,16 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_writer
     `maybe_finalize_async_calls` (or the queue's) before the next save and at exit."""
     _check_coordinator(process_group, coordinator_rank)
     writer = _writer(checkpoint_id, storage_writer)
-    future = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
-                            process_group=_background_group(process_group))
+    background = _background_group(process_group)
+    if background is None:
+        logger.warning("async_save over ranks %s: no background twin of this group (tsm.init makes "
+                       "them for its layout's groups); writing synchronously", _ranks(process_group))
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        future: Future = Future()
+        future.set_result(None)
+    else:
+        future = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                process_group=background)
     (queue or _default_queue).schedule(future)
 
 
