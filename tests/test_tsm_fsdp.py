@@ -70,3 +70,12 @@ def _train_from_job(strategies):
 
     os.environ["SM_HP_MP_PARAMETERS"] = '{"hybrid_shard_degree": 0, "placement_strategy": "cluster"}'
     return h.train_fsdp(None, strategies)
+
+
+@pytest.mark.parametrize("impl", ["REENTRANT", "NO_REENTRANT"])
+def test_activation_checkpointing_and_offloading_keep_the_numbers(impl):
+    """The scripts' activation checkpointing (and offload_wrapper, sm_activation_offloading on)
+    under HYBRID_SHARD at degree 2 still trains like one process."""
+    cfg = {"hybrid_shard_degree": 2, "sm_activation_offloading": True, "activation_loading_horizon": 1}
+    results = run_ranks(h.train_fsdp, 4, cfg, ("HYBRID_SHARD",), h.STEPS, impl, timeout=240)
+    _check(results[0]["HYBRID_SHARD"], [0, 1])

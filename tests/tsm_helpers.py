@@ -20,7 +20,8 @@ def llama_config():
 
     return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                       max_position_embeddings=64, attn_implementation="eager")
+                       max_position_embeddings=64, attn_implementation="eager",
+                       use_cache=False)  # as the scripts: no KV cache under checkpointing
 
 
 def make_llama(seed: int = 0):
@@ -85,7 +86,20 @@ def local_batch(x, dp_rank: int, dp_size: int):
     return x[dp_rank * per:(dp_rank + 1) * per]
 
 
-def train_fsdp(smp_config, strategies=("HYBRID_SHARD",), steps: int = STEPS):
+def checkpoint_layers(model, impl: str = "REENTRANT", offload: bool = False):
+    """AWS's scripts: activation checkpointing on every decoder layer after FSDP, then (with
+    sm_activation_offloading) torch's offload_wrapper on the root."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper)
+
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                       checkpoint_impl=getattr(CheckpointImpl, impl)),
+        check_fn=lambda m: isinstance(m, decoder_layer_cls()))
+    return offload_wrapper(model) if offload else model
+
+
+def train_fsdp(smp_config, strategies=("HYBRID_SHARD",), steps: int = STEPS, ac: str = ""):
     """Per rank: tsm.init, then for each strategy the script's FSDP; return groups and weights."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -94,7 +108,9 @@ def train_fsdp(smp_config, strategies=("HYBRID_SHARD",), steps: int = STEPS):
     tsm.init(smp_config)
     out = {}
     for strategy in strategies:
-        model = wrap(make_llama(), strategy)
+        fsdp = model = wrap(make_llama(), strategy)
+        if ac:
+            model = checkpoint_layers(model, ac, offload=tsm.state.sm_activation_offloading)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         losses = []
         for x in batches(steps):
@@ -104,12 +120,12 @@ def train_fsdp(smp_config, strategies=("HYBRID_SHARD",), steps: int = STEPS):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        pg = model.process_group
+        pg = fsdp.process_group
         out[strategy] = {
             "shard_ranks": sorted(dist.get_process_group_ranks(pg)),
-            "strategy": model.sharding_strategy.name,
-            "local_numel": sum(p.numel() for p in model.parameters()),
-            "full": full_state_dict(model),
+            "strategy": fsdp.sharding_strategy.name,
+            "local_numel": sum(p.numel() for p in fsdp.parameters()),
+            "full": full_state_dict(fsdp),
             "losses": losses,
         }
     return out
