@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from smshim import _runtime
-from smshim.torch_sagemaker import fsdp_patch, topology
+from smshim.torch_sagemaker import activation_offloading, fsdp_patch, topology
 from smshim.torch_sagemaker.config import TsmConfig, load_config, resolve_degrees
 from smshim.torch_sagemaker.rng import DEFAULT_NAME
 from smshim.torch_sagemaker.state_handler import Ranker, state
@@ -62,7 +62,8 @@ def _fill_state(cfg: TsmConfig) -> None:
 
 def init(config: ConfigArg = None) -> None:
     """Initialise SMP v2 for this job: read and check the config, lay out the ranks, build the
-    process groups (torch DeviceMesh), and install the FSDP patches (see fsdp_patch).
+    process groups (torch DeviceMesh), and install the FSDP patches (see fsdp_patch) and the
+    prefetching activation offload (see activation_offloading).
 
     The default process group is brought up from the launcher's environment if the script has not
     done it (scripts normally call `dist.init_process_group` first)."""
@@ -73,6 +74,7 @@ def init(config: ConfigArg = None) -> None:
         logger.warning("tsm.init() called again: the state is rebuilt from the new config")
     _fill_state(cfg)
     fsdp_patch.install()
+    activation_offloading.install()
     logger.info("%r", state)
 
 
