@@ -16,7 +16,7 @@ data-parallel rank), `init_empty_weights()` + `AutoModelForCausalLM.from_config`
 `use_orig_params=True`, `apply_activation_checkpointing` (REENTRANT), `offload_wrapper` when
 `tsm.state.sm_activation_offloading`, AdamW after FSDP, `tsm.grad_norm.clip_grad_norm_`, sharded
 checkpoints every N steps from replica 0 with `async_save` and an `AsyncCallsQueue`, resume with
-`load` + `init_optim_state`, a full HF checkpoint at the end. Exits non-zero when
+`load` + `load_sharded_optimizer_state_dict(..., process_group=model.process_group)`, a full HF checkpoint at the end. Exits non-zero when
 the loss did not fall.
 """
 
@@ -113,23 +113,22 @@ def save_sharded(model, optimizer, step, args, queue):
 
 
 def load_sharded(model, optimizer, path):
-    """Resume: the optimizer state is loaded into the sharded layout FSDP itself gives it here
-    (torch's load_sharded_optimizer_state_dict chunks over the whole world, which is wrong when
-    hybrid_shard_degree < world size)."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
     from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
-    from torch.sagemaker.distributed.checkpoint.state_dict_utils import init_optim_state
     from torch.sagemaker.utils.process_group_utils import get_global_ranks
 
     path = os.path.join(path, f"tp{tsm.state.tp_rank}_ep{tsm.state.ep_rank}")
-    init_optim_state(optimizer)  # something to load into
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state_dict = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer),
-                      "step": 0}
+        state_dict = {"model": model.state_dict(), "step": 0}
         load(state_dict, checkpoint_id=path, process_group=model.process_group,
              coordinator_rank=min(get_global_ranks(model.process_group)))
         model.load_state_dict(state_dict["model"])
-        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer,
-                                                                state_dict["optimizer"]))
+        optim = load_sharded_optimizer_state_dict(model_state_dict=state_dict["model"],
+                                                  optimizer_key="optimizer",
+                                                  storage_reader=DistributedFileSystemReader(path),
+                                                  process_group=model.process_group)
+        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, optim["optimizer"]))
     return int(state_dict["step"])
 
 

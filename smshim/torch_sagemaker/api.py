@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from smshim import _runtime
 from smshim.torch_sagemaker import activation_offloading, fsdp_patch, topology
+from smshim.torch_sagemaker.distributed.checkpoint import optimizer_load
 from smshim.torch_sagemaker.config import TsmConfig, load_config, resolve_degrees
 from smshim.torch_sagemaker.rng import DEFAULT_NAME
 from smshim.torch_sagemaker.state_handler import Ranker, state
@@ -63,7 +64,8 @@ def _fill_state(cfg: TsmConfig) -> None:
 def init(config: ConfigArg = None) -> None:
     """Initialise SMP v2 for this job: read and check the config, lay out the ranks, build the
     process groups (torch DeviceMesh), and install the FSDP patches (see fsdp_patch) and the
-    prefetching activation offload (see activation_offloading).
+    prefetching activation offload (see activation_offloading), and the group-aware
+    load_sharded_optimizer_state_dict (see distributed.checkpoint.optimizer_load).
 
     The default process group is brought up from the launcher's environment if the script has not
     done it (scripts normally call `dist.init_process_group` first)."""
@@ -75,6 +77,7 @@ def init(config: ConfigArg = None) -> None:
     _fill_state(cfg)
     fsdp_patch.install()
     activation_offloading.install()
+    optimizer_load.install()
     logger.info("%r", state)
 
 
