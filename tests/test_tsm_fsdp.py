@@ -79,3 +79,51 @@ def test_activation_checkpointing_and_offloading_keep_the_numbers(impl):
     cfg = {"hybrid_shard_degree": 2, "sm_activation_offloading": True, "activation_loading_horizon": 1}
     results = run_ranks(h.train_fsdp, 4, cfg, ("HYBRID_SHARD",), h.STEPS, impl, timeout=240)
     _check(results[0]["HYBRID_SHARD"], [0, 1])
+
+
+def _clipped(max_norm):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    dist.init_process_group("gloo")
+    try:  # SMP's field exists only once tsm.init has installed the patches
+        FullStateDictConfig(translate_on_save=False)
+        before = "accepted"
+    except TypeError:
+        before = "refused"
+    tsm.init({"hybrid_shard_degree": 2})
+    assert FullStateDictConfig(translate_on_save=False).translate_on_save is False
+    assert FullStateDictConfig().translate_on_save is True
+    from torch.sagemaker.grad_norm import clip_grad_norm_
+
+    model = h.checkpoint_layers(h.wrap(h.make_llama()))  # inside a wrapper, as in the scripts
+    opt = torch.optim.AdamW(model.parameters(), lr=h.LR)
+    norms = []
+    for x in h.batches():
+        opt.zero_grad()
+        xl = h.local_batch(x, tsm.state.dp_rank, tsm.state.dp_size)
+        model(input_ids=xl, labels=xl).loss.backward()
+        norms.append(clip_grad_norm_(model, max_norm).item())
+        opt.step()
+    return before, norms, h.full_state_dict(model._checkpoint_wrapped_module
+                                            if hasattr(model, "_checkpoint_wrapped_module") else model)
+
+
+def test_clip_grad_norm_matches_one_process_and_smp_fields_only_after_init():
+    max_norm = 0.5
+    model = h.make_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=h.LR)
+    ref_norms = []
+    for x in h.batches():
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+    results = run_ranks(_clipped, 4, max_norm, timeout=240)
+    before, norms, full = results[0]
+    assert before == "refused"
+    assert all(abs(a - b) < 1e-5 * max(1, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+    assert min(ref_norms) > max_norm  # clipping did act
+    worst = max((full[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    assert worst < 1e-5, worst
