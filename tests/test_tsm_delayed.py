@@ -78,3 +78,41 @@ def test_validation_names_what_is_left_on_meta():
         assert "still on meta" in str(e) and "embed_tokens" in str(e)
     else:
         raise AssertionError("validation passed with every parameter on meta")
+
+
+def _finetune_flow():
+    """[FT]: rank 0 holds the pretrained weights, the others build on meta with a
+    DelayedParamIniter; FSDP sync_module_states=True spreads rank 0's weights (HSDP: over the
+    sharding group and across replicas)."""
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    dist.init_process_group("gloo")
+    tsm.init({"hybrid_shard_degree": 2})
+    from torch.sagemaker.delayed_param import DelayedParamIniter
+
+    extra = {}
+    if dist.get_rank() == 0:
+        model = h.make_llama(seed=3)  # "from_pretrained"
+    else:
+        torch.manual_seed(0)
+        with init_empty_weights():
+            model = LlamaForCausalLM(h.llama_config())
+        initer = DelayedParamIniter(model)
+        extra = {"param_init_fn": initer.get_param_init_fn(),
+                 "post_param_init_fn": initer.get_post_param_init_fn()}
+    fsdp = h.wrap(model, sync_module_states=True, **extra)
+    return h.full_state_dict(fsdp), [p.detach().clone() for p in fsdp.parameters()]
+
+
+def test_finetune_flow_spreads_rank0_weights():
+    results = run_ranks(_finetune_flow, 4, timeout=240)
+    pretrained = h.make_llama(seed=3).state_dict()
+    full, _ = results[0]
+    for k, v in pretrained.items():
+        assert torch.equal(full[k], v), k
+    # Replicas hold identical shards: rank 2 mirrors rank 0, rank 3 mirrors rank 1.
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1]))

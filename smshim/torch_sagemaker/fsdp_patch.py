@@ -24,6 +24,10 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
    turned off. The tensors are on the CPU already, so the result is the same; and with it, stock
    FSDP1 on torch 2.13 segfaults on gloo (every strategy) in the state dict every script takes at
    the end, `FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`.
+4. `torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states`: on a host
+   without CUDA, CPU tensors are allowed with `sync_module_states=True` (stock FSDP demands GPU
+   tensors; gloo broadcasts CPU tensors fine). This is what SMP's fine-tuning recipe needs on CPU:
+   rank 0 loads the pretrained weights, the others build on meta, FSDP spreads rank 0's weights.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
 from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
@@ -170,12 +175,18 @@ def _patched_full_config_init(self, *args, translate_on_save: bool = True, **kwa
     self.translate_on_save = translate_on_save
 
 
+def _patched_check_sync_states(module_states) -> None:
+    if _cpu_only():
+        return
+    _originals["_check_module_states_for_sync_module_states"](module_states)
+
+
 def installed() -> bool:
     return bool(_originals)
 
 
 def install() -> None:
-    """Install the three patches above (idempotent)."""
+    """Install the four patches above (idempotent)."""
     if _originals:
         return
     _originals["FSDP.__init__"] = FSDP.__init__
@@ -184,6 +195,9 @@ def install() -> None:
     FSDP.__init__ = functools.wraps(_originals["FSDP.__init__"])(_patched_init)
     FSDP.set_state_dict_type = staticmethod(_patched_set_state_dict_type)
     FullStateDictConfig.__init__ = _patched_full_config_init
+    _originals["_check_module_states_for_sync_module_states"] = \
+        _fsdp_init_utils._check_module_states_for_sync_module_states
+    _fsdp_init_utils._check_module_states_for_sync_module_states = _patched_check_sync_states
     logger.debug("torch.sagemaker: FSDP patches installed")
 
 
@@ -194,6 +208,8 @@ def uninstall() -> None:
     FSDP.__init__ = _originals.pop("FSDP.__init__")
     FSDP.set_state_dict_type = staticmethod(_originals.pop("FSDP.set_state_dict_type"))
     FullStateDictConfig.__init__ = _originals.pop("FullStateDictConfig.__init__")
+    _fsdp_init_utils._check_module_states_for_sync_module_states = \
+        _originals.pop("_check_module_states_for_sync_module_states")
 
 
 __all__ = ["install", "uninstall", "installed", "FullOptimStateDictConfig"]
