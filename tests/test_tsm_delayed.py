@@ -1,7 +1,6 @@
 """Delayed parameter initialisation: a Llama built on meta gets, under the script's FSDP call with
 DelayedParamIniter's functions, exactly the weights eager construction gives with the same seed."""
 
-import os
 
 import torch
 

@@ -4,7 +4,6 @@ single-process reference training, and a rank function that trains under the scr
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 

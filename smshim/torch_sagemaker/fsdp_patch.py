@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
-from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, ShardingStrategy,
+from torch.distributed.fsdp import (FullStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
 from smshim.torch_sagemaker.state_handler import state
@@ -212,4 +212,4 @@ def uninstall() -> None:
         _originals.pop("_check_module_states_for_sync_module_states")
 
 
-__all__ = ["install", "uninstall", "installed", "FullOptimStateDictConfig"]
+__all__ = ["install", "uninstall", "installed"]
