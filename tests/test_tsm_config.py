@@ -155,3 +155,24 @@ def test_a_genuine_torch_sagemaker_is_not_shadowed(tmp_path):
     assert r.stdout.strip() == "True"
     r = _py("import torch, sys; import torch.sagemaker", env={"SMSHIM_ALIAS": "0"})
     assert r.returncode != 0 and "torch.sagemaker" in r.stderr
+
+
+def _transform_tp2():
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    dist.init_process_group("gloo")
+    tsm.init({"tensor_parallel_degree": 2})
+    try:
+        tsm.transform(torch.nn.Linear(2, 2))
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("smshim.torch_sagemaker.transform")
+                    is not None, reason="this installation has the TP/CP/EP engine")
+def test_transform_without_the_engine_says_so():
+    msgs = run_ranks(_transform_tp2, 2, timeout=60)
+    assert all(m and "tensor_parallel_degree=2" in m for m in msgs), msgs

@@ -14,3 +14,14 @@ from smshim.torch_sagemaker.state_handler import state
 __version__ = "2.8.0"
 
 __all__ = ["init", "is_initialized", "state", "transform", "__version__"]
+
+# The TP/CP/EP engine folder is also named `transform`: once imported (by anyone), Python binds the
+# package attribute `transform` to that subpackage. Import it here, if this installation has it,
+# and bind the public function last, so `tsm.transform` is always the function.
+import importlib.util as _util  # noqa: E402
+
+if _util.find_spec(__name__ + ".transform") is not None:
+    import importlib as _importlib
+
+    _importlib.import_module(__name__ + ".transform")
+from smshim.torch_sagemaker.api import transform  # noqa: E402,F811
