@@ -127,3 +127,11 @@ def test_clip_grad_norm_matches_one_process_and_smp_fields_only_after_init():
     assert min(ref_norms) > max_norm  # clipping did act
     worst = max((full[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert worst < 1e-5, worst
+
+
+def test_hybrid_shard_degree_0_hybrid_shards_within_each_node():
+    """Stock HYBRID_SHARD shards inside a node: 2 "nodes" of 2 ranks (LOCAL_WORLD_SIZE=2)."""
+    results = run_ranks(h.train_fsdp, 4, {"hybrid_shard_degree": 0}, ("HYBRID_SHARD",),
+                        timeout=240, env={"LOCAL_WORLD_SIZE": "2"})
+    assert [r["HYBRID_SHARD"]["shard_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    _check(results[0]["HYBRID_SHARD"], [0, 1])
