@@ -13,6 +13,14 @@ logs a warning saying so. `SMSHIM_ALIAS=force` uses smshim anyway (warning), `SM
 turns the alias off. The finder sits first because submodules of an aliased package would
 otherwise be found a second time, under the other name, by the normal path finder.
 
+The same module installs a second, independent finder for SMP v2's `torch.sagemaker` (SageMaker
+ships it as a subpackage inside its own torch build). `TorchSagemakerAliasFinder` answers only for
+`torch.sagemaker` and `torch.sagemaker.<x>`, mapping them to `smshim.torch_sagemaker[.x]` the same
+way. It never imports torch itself and changes nothing in torch: it is consulted only when a script
+imports `torch.sagemaker`, by which time Python has imported torch as the parent; the import system
+then sets `torch.sagemaker` on the torch module, as for any subpackage. A genuine `torch.sagemaker`
+inside the installed torch (SMP's containers) wins; SMSHIM_ALIAS governs both aliases.
+
 This module runs at every interpreter start: it must stay cheap and import nothing heavy.
 """
 
@@ -90,10 +98,57 @@ class SmdistributedAliasFinder(importlib.abc.MetaPathFinder):
         )
 
 
+TSM_ALIAS = "torch.sagemaker"
+TSM_TARGET = "smshim.torch_sagemaker"
+
+
+class TorchSagemakerAliasFinder(importlib.abc.MetaPathFinder):
+    """Maps `torch.sagemaker[.x]` to `smshim.torch_sagemaker[.x]` unless torch ships its own."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TSM_ALIAS and not fullname.startswith(TSM_ALIAS + "."):
+            return None
+        mode = os.environ.get("SMSHIM_ALIAS", "auto").lower()
+        if mode in ("0", "off", "false", "no"):
+            return None
+        if fullname == TSM_ALIAS:
+            torch = sys.modules.get("torch")
+            torch_path = list(getattr(torch, "__path__", None) or [])
+            genuine = importlib.machinery.PathFinder.find_spec(TSM_ALIAS, torch_path)
+            if genuine is not None and mode != "force":
+                logger.warning(
+                    "the installed torch has its own torch.sagemaker at %s; smshim does not "
+                    "shadow it. Set SMSHIM_ALIAS=force to use smshim instead.",
+                    genuine.origin or list(genuine.submodule_search_locations or []),
+                )
+                return None
+            if genuine is not None:
+                logger.warning("SMSHIM_ALIAS=force: smshim shadows the installed torch.sagemaker")
+        else:
+            parent = sys.modules.get(TSM_ALIAS)
+            if parent is None or parent is not sys.modules.get(TSM_TARGET):
+                return None
+        target_name = TSM_TARGET + fullname[len(TSM_ALIAS):]
+        try:
+            target_spec = importlib.util.find_spec(target_name)
+        except ModuleNotFoundError:
+            return None
+        if target_spec is None:
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname,
+            _AliasLoader(target_name),
+            origin=target_spec.origin,
+            is_package=target_spec.submodule_search_locations is not None,
+        )
+
+
 def install() -> None:
-    """Put the finder first on sys.meta_path (idempotent)."""
+    """Put the finders first on sys.meta_path (idempotent)."""
     if not any(isinstance(f, SmdistributedAliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, SmdistributedAliasFinder())
+    if not any(isinstance(f, TorchSagemakerAliasFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, TorchSagemakerAliasFinder())
 
 
 install()

@@ -1,0 +1,1 @@
+"""`torch.sagemaker.distributed`: the checkpoint API (`distributed.checkpoint`) on torch DCP."""

@@ -1,0 +1,215 @@
+"""What `tsm.init()` changes in torch's FSDP1, and why (each patch is undone by `uninstall()`).
+
+SMP v2 scripts wrap their model with the ordinary `FullyShardedDataParallel(...)` and never pass
+process groups; SMP makes that call follow the job's degrees. Installed by `tsm.init()`, only then:
+
+1. `FullyShardedDataParallel.__init__` (only when the call passes neither `process_group` nor
+   `device_mesh`, i.e. a script's root call; the children auto-wrap creates receive the root's
+   groups and pass through untouched):
+   * process groups from `tsm.state`'s DeviceMesh: hybrid_shard_degree k >= 2 -> a 2-D
+     (replicate, shard) mesh and HYBRID_SHARD (`_HYBRID_SHARD_ZERO2` kept, other strategies
+     rewritten, as SMP does); 1 -> NO_SHARD over the data-parallel ranks; 0 -> stock FSDP, or the
+     largest sharding group when TP/CP/EP > 1. Orthogonal to the TP group by construction.
+   * `post_param_init_fn=` (an SMP argument stock FSDP rejects) is accepted: it runs on each module
+     right after `param_init_fn` has materialised it (DelayedParamIniter re-ties weights there).
+   * `device_id`: stock FSDP refuses a machine without an accelerator unless told
+     `device_id=cpu`; without CUDA we pass the CPU (a CUDA `device_id` is mapped to it).
+   * a HYBRID_SHARD call at hybrid_shard_degree 0 without TP gets an explicit (nodes, local ranks)
+     mesh: stock FSDP derives the node size from the accelerator count, which is 0 on a CPU host.
+2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: TP
+   models are written back in the HF layout. Models that did not go through `tsm.transform` are in
+   that layout already, so nothing is translated for them.
+3. `FullyShardedDataParallel.set_state_dict_type` (which `FSDP.state_dict_type` calls): when the
+   model computes on the CPU, `offload_to_cpu=True` of a FULL state dict (model or optimizer) is
+   turned off. The tensors are on the CPU already, so the result is the same; and with it, stock
+   FSDP1 on torch 2.13 segfaults on gloo (every strategy) in the state dict every script takes at
+   the end, `FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`.
+4. `torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states`: on a host
+   without CUDA, CPU tensors are allowed with `sync_module_states=True` (stock FSDP demands GPU
+   tensors; gloo broadcasts CPU tensors fine). This is what SMP's fine-tuning recipe needs on CPU:
+   rank 0 loads the pretrained weights, the others build on meta, FSDP spreads rank 0's weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
+from torch.distributed.fsdp import (FullStateDictConfig, ShardingStrategy,
+                                    StateDictType)
+
+from smshim.torch_sagemaker.state_handler import state
+
+logger = logging.getLogger(__name__)
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_originals: Dict[str, Any] = {}
+_FSDP_PARAMS = list(inspect.signature(FSDP.__init__).parameters)[1:]  # without self
+
+
+def _cpu_only() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _device_id(device_id: Any) -> Any:
+    if not _cpu_only():
+        return device_id
+    if device_id is not None and torch.device(device_id).type not in ("cpu", "cuda"):
+        return device_id
+    return torch.device("cpu")
+
+
+def _with_post_init(param_init_fn: Optional[Callable], post: Optional[Callable]) -> Optional[Callable]:
+    if post is None:
+        return param_init_fn
+    if param_init_fn is None:
+        logger.warning("FSDP(post_param_init_fn=...) without param_init_fn: it runs after FSDP's "
+                       "own materialisation would, i.e. never for a model that is not on meta")
+        return None
+
+    def init_then_post(module: torch.nn.Module) -> None:
+        param_init_fn(module)
+        post(module)
+
+    return init_then_post
+
+
+_node_groups_cache: Dict[str, Any] = {}
+
+
+def _node_groups():
+    """(local ranks, nodes) process groups for stock HYBRID_SHARD on a CPU host (built once)."""
+    if "groups" not in _node_groups_cache:
+        mesh = _node_mesh()
+        _node_groups_cache["groups"] = (mesh["shard"].get_group(), mesh["rep"].get_group())
+    return _node_groups_cache["groups"]
+
+
+def _node_mesh():
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ValueError(f"FSDP HYBRID_SHARD: world size {world} is not a multiple of "
+                         f"LOCAL_WORLD_SIZE={local}")
+    return init_device_mesh("cpu", (world // local, local), mesh_dim_names=("rep", "shard"))
+
+
+def _hybrid_groups():
+    """(shard, replicate) process groups from tsm.state's mesh. Given as groups, not as a 2-D
+    slice of the mesh: FSDP1 builds its sharded state dict's DTensors on the slice's root mesh
+    and shards them along that root's first dimension (the replicas), which DCP then rejects."""
+    return (state.mesh["shard"].get_group(), state.mesh["rep"].get_group())
+
+
+def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
+    """The strategy and group arguments the job's degrees give a script's root FSDP call."""
+    d, mesh, hsd = state.degrees, state.mesh, state.hybrid_shard_degree
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    if hsd >= 2:
+        if strategy not in _HYBRID:
+            logger.info("hybrid_shard_degree=%d: FSDP sharding_strategy %s becomes HYBRID_SHARD",
+                        hsd, strategy.name)
+            strategy = ShardingStrategy.HYBRID_SHARD
+        return {"sharding_strategy": strategy, "process_group": _hybrid_groups()}
+    if hsd == 1:
+        if strategy != ShardingStrategy.NO_SHARD:
+            logger.info("hybrid_shard_degree=1: FSDP sharding_strategy %s becomes NO_SHARD",
+                        strategy.name)
+        if d.mp == 1:
+            return {"sharding_strategy": ShardingStrategy.NO_SHARD}
+        return {"sharding_strategy": ShardingStrategy.NO_SHARD, "process_group": mesh["dp"].get_group()}
+    # hybrid_shard_degree 0: stock behaviour over the ranks with this TP/EP rank.
+    if strategy in _HYBRID:
+        if d.mp == 1 and d.cp == 1:
+            return {"sharding_strategy": strategy, "process_group": _node_groups()} if _cpu_only() else {}
+        return {"sharding_strategy": strategy, "process_group": _hybrid_groups()}
+    if d.mp == 1:
+        return {"sharding_strategy": strategy}
+    return {"sharding_strategy": strategy, "process_group": mesh["dp"].get_group()}
+
+
+def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
+    kwargs.update(zip(_FSDP_PARAMS, args))
+    if state.initialized:
+        kwargs["device_id"] = _device_id(kwargs.get("device_id"))
+        if kwargs.get("process_group") is None and kwargs.get("device_mesh") is None:
+            kwargs.update(_groups_for(kwargs.get("sharding_strategy")))
+        kwargs["param_init_fn"] = _with_post_init(kwargs.get("param_init_fn"), post_param_init_fn)
+    elif post_param_init_fn is not None:
+        raise TypeError("FSDP(post_param_init_fn=...) is SMP's argument: call tsm.init() first")
+    _originals["FSDP.__init__"](self, module, **kwargs)
+
+
+def _fsdp_on_cpu(module: torch.nn.Module) -> bool:
+    for m in FSDP.fsdp_modules(module):
+        return m.compute_device.type == "cpu"
+    return False
+
+
+def _patched_set_state_dict_type(module, state_dict_type, state_dict_config=None,
+                                 optim_state_dict_config=None):
+    if state_dict_type == StateDictType.FULL_STATE_DICT and _fsdp_on_cpu(module):
+        if state_dict_config is not None and state_dict_config.offload_to_cpu:
+            translate = getattr(state_dict_config, "translate_on_save", True)
+            state_dict_config = dataclasses.replace(state_dict_config, offload_to_cpu=False)
+            state_dict_config.translate_on_save = translate
+        if optim_state_dict_config is not None and optim_state_dict_config.offload_to_cpu:
+            optim_state_dict_config = dataclasses.replace(optim_state_dict_config, offload_to_cpu=False)
+    return _originals["FSDP.set_state_dict_type"](module, state_dict_type, state_dict_config,
+                                                  optim_state_dict_config)
+
+
+def _patched_full_config_init(self, *args, translate_on_save: bool = True, **kwargs):
+    _originals["FullStateDictConfig.__init__"](self, *args, **kwargs)
+    self.translate_on_save = translate_on_save
+
+
+def _patched_check_sync_states(module_states) -> None:
+    if _cpu_only():
+        return
+    _originals["_check_module_states_for_sync_module_states"](module_states)
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def install() -> None:
+    """Install the four patches above (idempotent)."""
+    if _originals:
+        return
+    _originals["FSDP.__init__"] = FSDP.__init__
+    _originals["FSDP.set_state_dict_type"] = FSDP.set_state_dict_type
+    _originals["FullStateDictConfig.__init__"] = FullStateDictConfig.__init__
+    FSDP.__init__ = functools.wraps(_originals["FSDP.__init__"])(_patched_init)
+    FSDP.set_state_dict_type = staticmethod(_patched_set_state_dict_type)
+    FullStateDictConfig.__init__ = _patched_full_config_init
+    _originals["_check_module_states_for_sync_module_states"] = \
+        _fsdp_init_utils._check_module_states_for_sync_module_states
+    _fsdp_init_utils._check_module_states_for_sync_module_states = _patched_check_sync_states
+    logger.debug("torch.sagemaker: FSDP patches installed")
+
+
+def uninstall() -> None:
+    """Give torch back its own FSDP (tests; a process that leaves SMP mode)."""
+    if not _originals:
+        return
+    FSDP.__init__ = _originals.pop("FSDP.__init__")
+    FSDP.set_state_dict_type = staticmethod(_originals.pop("FSDP.set_state_dict_type"))
+    FullStateDictConfig.__init__ = _originals.pop("FullStateDictConfig.__init__")
+    _fsdp_init_utils._check_module_states_for_sync_module_states = \
+        _originals.pop("_check_module_states_for_sync_module_states")
+
+
+__all__ = ["install", "uninstall", "installed"]
