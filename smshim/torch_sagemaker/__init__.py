@@ -5,7 +5,7 @@ Public face: `init`, `is_initialized`, `state`, `transform`; submodules `delayed
 `grad_norm`, `utils`, `logger`, `checkpoint`, `distributed.checkpoint`, mirroring SageMaker's
 module paths. Folder layout: config/topology/state_handler/rng (who is where), fsdp_patch (what
 init() changes in FSDP), the API modules; `transform/` (TP/CP/EP) is a separate engine folder.
-Modules here may import smshim._runtime and torch, nothing from smshim.modelparallel.
+Modules here may import smshim.runtime.launch and torch, nothing from smshim.modelparallel.
 """
 
 from smshim.torch_sagemaker.api import init, is_initialized, transform

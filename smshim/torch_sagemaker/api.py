@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from smshim import _runtime
+from smshim.runtime import launch as _runtime
 from smshim.torch_sagemaker import activation_offloading, fsdp_patch, topology
 from smshim.torch_sagemaker.distributed.checkpoint import optimizer_load
 from smshim.torch_sagemaker.config import TsmConfig, load_config, resolve_degrees
