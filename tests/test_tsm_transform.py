@@ -50,3 +50,61 @@ def test_tp2_matches_one_process(kind, attn):
         assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
     full = sum(v.numel() for v in tsm_models.make(kind).parameters())
     assert results[0]["local_numel"] < 0.7 * full
+
+
+CLIP = 0.5  # below the tiny models' first gradient norms: clipping acts
+
+
+def _tp_fsdp_train(kind, flavour):
+    """TP over the fastest-varying mesh dim, FSDP1 (or fully_shard) over the data dim."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
+    from smshim.torch_sagemaker.transform.api import find_plan
+
+    mesh = _init((2, 2), ("dp", "tp"))
+    model = tsm_models.make(kind)
+    layer_cls = {type(m) for m in model.modules()
+                 if type(m).__name__ == find_plan(model).layer_class}
+    model = apply(model, tp_mesh=mesh["tp"])
+    if flavour == "fsdp1":
+        model = FSDP(model, device_mesh=mesh["dp"], use_orig_params=True,
+                     device_id=torch.device("cpu"),
+                     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                        transformer_layer_cls=layer_cls))
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for m in model.modules():
+            if type(m) in layer_cls:
+                fully_shard(m, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    opt = tsm_models.optimizer(model)
+    dp = mesh["dp"].get_local_rank()
+    losses, norms = [], []
+    for x in tsm_models.batches():
+        x = x.chunk(2)[dp]
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / dist.get_world_size())
+    return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("flavour", ["fsdp1", "fully_shard"])
+def test_tp2_fsdp2_matches_one_process(kind, flavour):
+    results = run_ranks(_tp_fsdp_train, 4, kind, flavour, timeout=300)
+    ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP)
+    assert ref_norms[0] > CLIP
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, abs=TOL)
+        assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
+        assert tsm_models.max_diff(r["sd"], ref_sd) < TOL

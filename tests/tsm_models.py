@@ -46,18 +46,21 @@ def optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
 
 
-def train_reference(kind: str, steps: int = 3, **overrides):
-    """One process, plain HF model, the whole global batch: (state dict, losses)."""
+def train_reference(kind: str, steps: int = 3, clip=None, **overrides):
+    """One process, plain HF model, the whole global batch: (state dict, losses, grad norms)."""
     model = make(kind, **overrides)
     opt = optimizer(model)
-    losses = []
+    losses, norms = [], []
     for x in batches(steps):
         opt.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (sd, losses, norms) if clip is not None else (sd, losses)
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -5,6 +5,7 @@ groups: call it on every rank."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict
 
 import torch
@@ -32,9 +33,11 @@ def full_hf_state_dict(model: nn.Module, cpu: bool = True) -> Dict[str, torch.Te
     from torch.distributed.fsdp import StateDictType
 
     if any(isinstance(m, FSDP) for m in model.modules()):
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
-            sd = model.state_dict()
+        with warnings.catch_warnings():  # FSDP1's state_dict_type is deprecated, still the API
+            warnings.simplefilter("ignore", FutureWarning)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                      FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+                sd = model.state_dict()
     else:
         sd = model.state_dict()
     out = {}
