@@ -108,3 +108,82 @@ def test_tp2_fsdp2_matches_one_process(kind, flavour):
         assert r["norms"] == pytest.approx(ref_norms, abs=TOL)
         assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
         assert tsm_models.max_diff(r["sd"], ref_sd) < TOL
+
+
+def _rank0_load(kind):
+    """Rank 0 holds the weights; ranks 1-3 build the model on meta. After the transform every
+    rank's shards equal those of a transform where every rank loaded the weights."""
+    import torch.distributed as dist
+    from accelerate import init_empty_weights
+
+    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+
+    mesh = _init((2, 2), ("dp", "tp"))
+    if dist.get_rank() == 0:
+        model = tsm_models.make(kind, seed=7)
+    else:
+        with init_empty_weights():
+            model = tsm_models.make(kind, seed=123)
+        assert all(p.is_meta for p in model.parameters())
+    model = apply(model, tp_mesh=mesh["tp"], load_state_dict_from_rank0=True)
+    x = tsm_models.batches(1)[0]
+    logits = model(input_ids=x).logits
+    return {"sd": full_hf_state_dict(model), "logits": logits.detach(),
+            "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_load_state_dict_from_rank0(kind):
+    results = run_ranks(_rank0_load, 4, kind, timeout=180)
+    plain = tsm_models.make(kind, seed=7)
+    ref = plain.state_dict()
+    x = tsm_models.batches(1)[0]
+    ref_logits = plain(input_ids=x).logits.detach()
+    ref_buffers = dict(plain.named_buffers())
+    for r in results:
+        assert tsm_models.max_diff(r["sd"], ref) == 0.0
+        torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=0)
+        for k, v in r["buffers"].items():
+            assert torch.equal(v, ref_buffers[k]), k
+
+
+def _full_sd_loads_into_hf(kind):
+    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+
+    mesh = _init((2,), ("tp",))
+    model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"])
+    opt = tsm_models.optimizer(model)
+    x = tsm_models.batches(1)[0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    return {"sd": full_hf_state_dict(model), "logits": model(input_ids=x).logits.detach()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_full_state_dict_loads_into_plain_hf(kind):
+    r = run_ranks(_full_sd_loads_into_hf, 2, kind, timeout=120)[0]
+    plain = tsm_models.make(kind, seed=99)
+    plain.load_state_dict(r["sd"], strict=True)
+    x = tsm_models.batches(1)[0]
+    torch.testing.assert_close(plain(input_ids=x).logits, r["logits"], atol=1e-5, rtol=0)
+
+
+def test_unsupported_model_names_supported_ones():
+    import transformers as tf
+
+    from smshim.torch_sagemaker.transform import UnsupportedModelError, apply
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        apply(model, tp_mesh=None)
+
+
+def test_indivisible_heads_refused_before_any_collective():
+    from smshim.torch_sagemaker.transform import apply
+
+    class FakeMesh:  # never used for communication: the check comes first
+        def size(self):
+            return 3
+
+    with pytest.raises(ValueError, match="tensor_parallel_degree 3 must divide"):
+        apply(tsm_models.make("llama"), tp_mesh=FakeMesh())
