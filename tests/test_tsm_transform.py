@@ -187,3 +187,52 @@ def test_indivisible_heads_refused_before_any_collective():
 
     with pytest.raises(ValueError, match="tensor_parallel_degree 3 must divide"):
         apply(tsm_models.make("llama"), tp_mesh=FakeMesh())
+
+
+def _cp_train(kind, comm_type, tp):
+    """CP over the slow mesh dim (inside the FSDP1 sharding group, which averages gradients
+    over it), TP over the fast one; every CP rank holds its 2 of the 4 sequence chunks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict, split_for_cp
+
+    mesh = _init((2, tp), ("cp", "tp"))
+    model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"] if tp > 1 else None,
+                  cp_mesh=mesh["cp"], cp_comm_type=comm_type)
+    model = FSDP(model, device_mesh=mesh["cp"], use_orig_params=True, device_id=torch.device("cpu"))
+    opt = tsm_models.optimizer(model)
+    r = mesh["cp"].get_local_rank()
+    losses, norms = [], []
+    for x in tsm_models.batches():
+        x = split_for_cp(x, r, 2)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        losses.append(loss.item())
+    return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms}
+
+
+@pytest.mark.parametrize("kind,comm_type,tp", [("llama", "p2p", 1), ("llama", "all_gather", 1),
+                                               ("gpt_neox", "p2p", 1), ("llama", "p2p", 2)])
+def test_cp2_matches_one_process(kind, comm_type, tp):
+    results = run_ranks(_cp_train, 2 * tp, kind, comm_type, tp, timeout=300)
+    ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
+        assert r["norms"] == pytest.approx(ref_norms, abs=TOL)
+        assert tsm_models.max_diff(r["sd"], ref_sd) < TOL
+
+
+def test_split_for_cp_layout():
+    from smshim.torch_sagemaker.transform.context_parallel import merge_cp_parts, split_for_cp
+
+    x = torch.arange(16).view(1, 16)
+    parts = [split_for_cp(x, r, 2) for r in range(2)]
+    assert parts[0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert parts[1].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert torch.equal(merge_cp_parts(parts), x)
+    with pytest.raises(ValueError, match="does not divide by 4"):
+        split_for_cp(torch.zeros(1, 10), 0, 2)
