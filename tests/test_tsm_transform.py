@@ -236,3 +236,48 @@ def test_split_for_cp_layout():
     assert torch.equal(merge_cp_parts(parts), x)
     with pytest.raises(ValueError, match="does not divide by 4"):
         split_for_cp(torch.zeros(1, 10), 0, 2)
+
+
+def _ep_train(balancing, steps=3):
+    """EP over 2 ranks that are also the data-parallel ranks: FSDP1 shards the rest of the model
+    over them, the experts (split by EP) are kept out of FSDP."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
+    from smshim.torch_sagemaker.transform.moe.expert_parallel import ExpertParallelExperts
+    from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
+
+    mesh = _init((2,), ("ep",))
+    model = apply(tsm_models.make("mixtral"), tp_mesh=None, ep_mesh=mesh["ep"],
+                  config=MoEConfig(moe_load_balancing=balancing))
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    local = sum(p.to_local().numel() for m in experts for p in m.parameters())
+    model = FSDP(model, device_mesh=mesh["ep"], use_orig_params=True, ignored_modules=experts,
+                 device_id=torch.device("cpu"))
+    opt = tsm_models.optimizer(model)
+    r = mesh["ep"].get_local_rank()
+    losses, norms = [], []
+    for x in tsm_models.batches(steps):
+        x = x.chunk(2)[r]
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / 2)
+    return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms,
+            "local_expert_numel": local}
+
+
+def test_ep2_mixtral_matches_one_process():
+    results = run_ranks(_ep_train, 2, "none", timeout=240)
+    ref_sd, ref_losses, ref_norms = tsm_models.train_reference("mixtral", clip=CLIP)
+    full_experts = sum(v.numel() for k, v in ref_sd.items() if ".experts." in k)
+    for r in results:
+        assert r["local_expert_numel"] * 2 == full_experts
+        assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
+        assert r["norms"] == pytest.approx(ref_norms, abs=TOL)
+        assert tsm_models.max_diff(r["sd"], ref_sd) < TOL

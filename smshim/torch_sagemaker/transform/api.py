@@ -81,6 +81,13 @@ def _check(model, plan, tp_mesh, cp_mesh, ep_mesh, cp_comm_type, config) -> None
                              "parallelism needs full causal attention (set sliding_window=None)")
     if tp > 1:
         check_divisible(model, plan, tp)
+    if ep > 1 and model.config.num_local_experts % ep:
+        raise ValueError(f"expert_parallel_degree {ep} must divide the "
+                         f"{model.config.num_local_experts} experts of {cls}")
+    if config is not None and plan.supports_ep:
+        from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config for {cls} must be a MoEConfig, got {type(config).__name__}")
     if config is not None and ep <= 1 and getattr(config, "smp_moe", False) and plan.supports_ep:
         logger.info("MoEConfig given without expert parallelism: experts stay whole")
 
@@ -136,7 +143,7 @@ def apply(model: nn.Module, *, tp_mesh: Optional[DeviceMesh], cp_mesh: Optional[
                                 for layer in model.get_submodule(plan.layers)],
                                random_seed + local_rank)
 
-    if tp > 1 or cp > 1:
+    if tp > 1 or cp > 1 or getattr(model, "_smshim_z_losses", None) is not None:
         causal_lm.install(model, causal_lm.ForwardSetup(tp_mesh if tp > 1 else None,
                                                         cp_mesh if cp > 1 else None))
     model._smshim_transform = TransformInfo(plan, tp_mesh, cp_mesh, ep_mesh, sharded)

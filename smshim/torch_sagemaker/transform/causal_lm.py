@@ -67,12 +67,17 @@ def _loss(model, out, labels, call, setup: ForwardSetup) -> torch.Tensor:
     aux = getattr(out, "aux_loss", None)
     if aux is not None:  # MoE router loss, as HF adds it when labels are given
         loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+    z_losses = getattr(model, "_smshim_z_losses", None)
+    if z_losses:  # router z-losses (MoEConfig.moe_z_loss_coeff), one per MoE layer
+        loss = loss + sum(z_losses)
     return loss
 
 
 def transformed_forward(self, *args, **kwargs):
     """Drop-in for the HF causal LM's forward (installed per instance by `install`)."""
     setup: ForwardSetup = self._smshim_forward_setup
+    if getattr(self, "_smshim_z_losses", None) is not None:
+        self._smshim_z_losses.clear()  # the routers append this call's z-losses
     hf_forward = type(self).forward
     call = _bind(hf_forward, self, args, kwargs)
     labels = call.pop("labels", None)
