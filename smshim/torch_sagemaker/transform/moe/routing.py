@@ -28,8 +28,9 @@ def sinkhorn(cost: torch.Tensor, iters: int = 8, tol: float = 1e-4) -> torch.Ten
 
 
 def balanced_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k experts per token, each expert taking at most ceil(T·k/E) tokens: tokens are served
-    in order of their best probability, each getting its most probable experts with room left."""
+    """Top-k experts per token, each expert taking about ceil(T·k/E) tokens: tokens are served
+    in order of their best probability, each getting its most probable experts with room left
+    (a token served late that finds fewer than k with room overflows)."""
     T, E = probs.shape
     cap = math.ceil(T * k / E)
     load = [0] * E
@@ -38,6 +39,9 @@ def balanced_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(T, k, dtype=torch.long)
     for t in order:
         chosen = [e for e in ranked[t] if load[e] < cap][:k]
+        # The last tokens may find fewer than k experts with room: they overflow onto their
+        # most probable remaining experts (never the same expert twice).
+        chosen += [e for e in ranked[t] if e not in chosen][:k - len(chosen)]
         for e in chosen:
             load[e] += 1
         out[t] = torch.tensor(chosen)
