@@ -60,12 +60,12 @@ def _check(model, plan, tp_mesh, cp_mesh, ep_mesh, cp_comm_type, config) -> None
     """Every refusal, before any collective (all ranks hold the same arguments)."""
     tp, cp, ep = _size(tp_mesh), _size(cp_mesh), _size(ep_mesh)
     cls = type(model).__name__
-    if tp > 1 and not plan.supports_tp:
-        raise UnsupportedModelError(f"{cls}: tensor parallelism is not supported for this family "
-                                    "here; use expert_parallel_degree for Mixtral")
     if ep > 1 and tp > 1:
         raise ValueError(f"expert_parallel_degree {ep} cannot be combined with "
                          f"tensor_parallel_degree {tp}; set one of them to 1")
+    if tp > 1 and not plan.supports_tp:
+        raise UnsupportedModelError(f"{cls}: tensor parallelism is not supported for this family "
+                                    "here; use expert_parallel_degree for Mixtral")
     if ep > 1 and not plan.supports_ep:
         raise UnsupportedModelError(f"{cls}: expert parallelism needs a Mixture-of-Experts model "
                                     f"(supported: {', '.join(MIXTRAL.model_classes)})")
