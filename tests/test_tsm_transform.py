@@ -335,3 +335,42 @@ def test_moe_config_and_refusals():
         apply(tsm_models.make("llama"), tp_mesh=None, ep_mesh=FakeMesh())
     with pytest.raises(ValueError, match="sliding_window"):
         apply(tsm_models.make("mistral", sliding_window=8), tp_mesh=None, cp_mesh=FakeMesh())
+
+
+def _dropout_streams():
+    import torch.distributed as dist
+
+    from smshim.torch_sagemaker.transform import apply
+
+    mesh = _init((2,), ("tp",))
+    model = apply(tsm_models.make("gpt_neox", attention_dropout=0.3, hidden_dropout=0.3),
+                  tp_mesh=mesh["tp"], random_seed=5)
+    model.train()
+    seen = {}
+    attn = model.gpt_neox.layers[0].attention
+
+    def keep(key, fn):  # a forward pre-hook that returns None (a value would replace the inputs)
+        def hook(m, a):
+            seen.setdefault(key, fn(a))
+        return hook
+
+    attn.register_forward_pre_hook(keep("attn_rng", lambda a: torch.get_rng_state()))
+    model.gpt_neox.final_layer_norm.register_forward_pre_hook(
+        keep("replicated", lambda a: a[0].detach().clone()))
+    x = tsm_models.batches(1)[0]
+    model(input_ids=x, labels=x).loss.backward()
+    default_after = torch.get_rng_state()
+    out = [None, None]
+    dist.all_gather_object(out, (seen["attn_rng"], seen["replicated"], default_after))
+    return out
+
+
+def test_random_seed_seeds_dropout_per_tp_rank():
+    """Dropout inside split attention draws from random_seed + tp_rank (different masks per
+    rank); dropout on replicated activations keeps the default stream (equal on every rank)."""
+    r0, r1 = run_ranks(_dropout_streams, 2, timeout=120)[0]
+    assert not torch.equal(r0[0], r1[0])  # TP-local streams differ
+    assert torch.equal(r0[0], torch.Generator().manual_seed(5).get_state())  # tp_rank 0: seed 5
+    assert torch.equal(r1[0], torch.Generator().manual_seed(6).get_state())
+    assert torch.equal(r0[1], r1[1])  # replicated activations stayed equal
+    assert torch.equal(r0[2], r1[2])  # default streams advanced alike
