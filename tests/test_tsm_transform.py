@@ -21,11 +21,11 @@ def _init(mesh_shape, names):
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
 
 
-def _tp_train(kind, attn="sdpa"):
+def _tp_train(kind, attn="sdpa", overrides=None):
     from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
 
     mesh = _init((2,), ("tp",))
-    model = apply(tsm_models.make(kind, attn=attn), tp_mesh=mesh["tp"])
+    model = apply(tsm_models.make(kind, attn=attn, **(overrides or {})), tp_mesh=mesh["tp"])
     opt = tsm_models.optimizer(model)
     losses = []
     for x in tsm_models.batches():
@@ -50,6 +50,15 @@ def test_tp2_matches_one_process(kind, attn):
         assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
     full = sum(v.numel() for v in tsm_models.make(kind).parameters())
     assert results[0]["local_numel"] < 0.7 * full
+
+
+@pytest.mark.parametrize("pad", [3, 70])  # a row in rank 0's and in rank 1's vocabulary half
+def test_tp2_embedding_padding_idx(pad):
+    """The padding row gets no gradient from padding tokens, as in HF, on whichever rank owns it
+    (and no other row loses its gradient)."""
+    results = run_ranks(_tp_train, 2, "llama", "sdpa", dict(pad_token_id=pad), timeout=180)
+    ref_sd, ref_losses = tsm_models.train_reference("llama", pad_token_id=pad)
+    assert tsm_models.max_diff(results[0]["sd"], ref_sd) < TOL
 
 
 CLIP = 0.5  # below the tiny models' first gradient norms: clipping acts

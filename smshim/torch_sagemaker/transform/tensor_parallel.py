@@ -91,10 +91,6 @@ def parallelize_vocab(model: nn.Module, plan: FamilyPlan, mesh: DeviceMesh) -> N
     (a plain tensor), which vocab_parallel.py turns into an exact loss and full logits."""
     embed, head = model.get_submodule(plan.embed), model.get_submodule(plan.head)
     tied = head.weight is embed.weight
-    if getattr(embed, "padding_idx", None) is not None:
-        # A sharded lookup cannot keep the padding row's zero gradient exact on every rank.
-        logger.info("embedding padding_idx=%s is dropped under vocab-parallel TP (its row still "
-                    "trains only from its own tokens' gradients)", embed.padding_idx)
     _to_dtensor(embed, "weight", mesh, 0)
     parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate()))
     if tied:
