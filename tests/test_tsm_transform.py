@@ -383,3 +383,46 @@ def test_random_seed_seeds_dropout_per_tp_rank():
     assert torch.equal(r1[0], torch.Generator().manual_seed(6).get_state())
     assert torch.equal(r0[1], r1[1])  # replicated activations stayed equal
     assert torch.equal(r0[2], r1[2])  # default streams advanced alike
+
+
+def _dcp_save_tp2(kind, path):
+    """TP2 x FSDP1 shard 2: one step, then a sharded (DCP) checkpoint of the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+
+    mesh = _init((2, 2), ("dp", "tp"))
+    model = FSDP(apply(tsm_models.make(kind), tp_mesh=mesh["tp"]), device_mesh=mesh["dp"],
+                 use_orig_params=True, device_id=torch.device("cpu"))
+    opt = tsm_models.optimizer(model)
+    x = tsm_models.batches(1)[0].chunk(2)[mesh["dp"].get_local_rank()]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    return full_hf_state_dict(model)
+
+
+def _dcp_load_shard4(kind, path):
+    """The plain HF model, TP1 x FSDP1 shard 4, loads the TP2 checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from smshim.torch_sagemaker.transform import full_hf_state_dict
+
+    mesh = _init((4,), ("dp",))
+    model = FSDP(tsm_models.make(kind, seed=42), device_mesh=mesh["dp"], use_orig_params=True,
+                 device_id=torch.device("cpu"))
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    return full_hf_state_dict(model)
+
+
+def test_sharded_checkpoint_at_tp2_loads_at_tp1_shard4(tmp_path):
+    saved = run_ranks(_dcp_save_tp2, 4, "llama", str(tmp_path), timeout=180)[0]
+    loaded = run_ranks(_dcp_load_shard4, 4, "llama", str(tmp_path), timeout=180)
+    for r in loaded:
+        assert tsm_models.max_diff(r, saved) == 0.0
