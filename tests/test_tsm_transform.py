@@ -426,3 +426,33 @@ def test_sharded_checkpoint_at_tp2_loads_at_tp1_shard4(tmp_path):
     loaded = run_ranks(_dcp_load_shard4, 4, "llama", str(tmp_path), timeout=180)
     for r in loaded:
         assert tsm_models.max_diff(r, saved) == 0.0
+
+
+def _tp_fsdp_bf16():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_
+
+    mesh = _init((2, 2), ("dp", "tp"))
+    model = FSDP(apply(tsm_models.make("llama"), tp_mesh=mesh["tp"]), device_mesh=mesh["dp"],
+                 use_orig_params=True, device_id=torch.device("cpu"),
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16,
+                                                buffer_dtype=torch.float32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = tsm_models.batches(1)[0].chunk(2)[mesh["dp"].get_local_rank()]
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        clip_grad_norm_(model, 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_tp2_fsdp_bf16_mixed_precision_trains():
+    for losses, fp32_params in run_ranks(_tp_fsdp_bf16, 4, timeout=180):
+        assert fp32_params
+        assert losses[-1] < losses[0] - 0.05, losses
