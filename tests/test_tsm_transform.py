@@ -52,6 +52,16 @@ def test_tp2_matches_one_process(kind, attn):
     assert results[0]["local_numel"] < 0.7 * full
 
 
+def test_tp2_tied_embeddings():
+    results = run_ranks(_tp_train, 2, "llama", "sdpa", dict(tie_word_embeddings=True),
+                        timeout=180)
+    ref_sd, ref_losses = tsm_models.train_reference("llama", tie_word_embeddings=True)
+    assert torch.equal(ref_sd["lm_head.weight"], ref_sd["model.embed_tokens.weight"])
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
+        assert tsm_models.max_diff(r["sd"], ref_sd) < TOL
+
+
 @pytest.mark.parametrize("pad", [3, 70])  # a row in rank 0's and in rank 1's vocabulary half
 def test_tp2_embedding_padding_idx(pad):
     """The padding row gets no gradient from padding tokens, as in HF, on whichever rank owns it

@@ -12,14 +12,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.",
-                     "module.")
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def hf_name(name: str) -> str:
-    for p in _WRAPPER_PREFIXES:
+    """`name` without the parts FSDP, activation checkpointing, torch.compile (anywhere) and
+    DDP / offload wrappers (a leading "module.") add."""
+    for p in _WRAPPER_PARTS:
         name = name.replace(p, "")
-    return name
+    return name[len("module."):] if name.startswith("module.") else name
 
 
 def _full(t):

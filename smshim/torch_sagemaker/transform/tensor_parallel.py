@@ -93,11 +93,11 @@ def parallelize_vocab(model: nn.Module, plan: FamilyPlan, mesh: DeviceMesh) -> N
     tied = head.weight is embed.weight
     _to_dtensor(embed, "weight", mesh, 0)
     parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate()))
-    if tied:
-        head.weight = embed.weight
-    else:
+    if not tied:
         _split_linear(head, COLWISE, mesh)
     parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
+    if tied:  # both are Shard(0) over the vocabulary: the head keeps using the embedding's
+        head.weight = embed.weight
 
 
 def tp_param_names(model: nn.Module) -> Dict[str, DTensor]:
