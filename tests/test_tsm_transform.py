@@ -52,6 +52,49 @@ def test_tp2_matches_one_process(kind, attn):
     assert results[0]["local_numel"] < 0.7 * full
 
 
+def _tp_padded_grads(kind):
+    """One forward/backward with left padding (attention_mask) and -100 labels, with and without
+    num_items_in_batch: loss, full logits and full gradients."""
+    from smshim.torch_sagemaker.transform import apply
+
+    mesh = _init((2,), ("tp",))
+    model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"])
+    x, mask, labels = _padded_batch()
+    out = []
+    for extra in ({}, {"num_items_in_batch": torch.tensor(17)}):
+        model.zero_grad()
+        res = model(input_ids=x, attention_mask=mask, labels=labels, **extra)
+        res.loss.backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in model.named_parameters()}
+        out.append((res.loss.item(), res.logits.detach(), grads))
+    return out
+
+
+def _padded_batch():
+    x = tsm_models.batches(1)[0]
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    mask[2, :3] = 0
+    labels = x.masked_fill(mask == 0, -100)
+    return x, mask, labels
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_tp2_padding_mask_and_num_items(kind):
+    got = run_ranks(_tp_padded_grads, 2, kind, timeout=120)[0]
+    model = tsm_models.make(kind)
+    x, mask, labels = _padded_batch()
+    for (loss, logits, grads), extra in zip(got, ({}, {"num_items_in_batch": torch.tensor(17)})):
+        model.zero_grad()
+        ref = model(input_ids=x, attention_mask=mask, labels=labels, **extra)
+        ref.loss.backward()
+        assert loss == pytest.approx(ref.loss.item(), rel=1e-6)
+        torch.testing.assert_close(logits, ref.logits.detach(), atol=1e-5, rtol=0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0, msg=n)
+
+
 def test_tp2_tied_embeddings():
     results = run_ranks(_tp_train, 2, "llama", "sdpa", dict(tie_word_embeddings=True),
                         timeout=180)
@@ -74,7 +117,7 @@ def test_tp2_embedding_padding_idx(pad):
 CLIP = 0.5  # below the tiny models' first gradient norms: clipping acts
 
 
-def _tp_fsdp_train(kind, flavour):
+def _tp_fsdp_train(kind, flavour, checkpointing=False):
     """TP over the fastest-varying mesh dim, FSDP1 (or fully_shard) over the data dim."""
     import functools
 
@@ -101,6 +144,13 @@ def _tp_fsdp_train(kind, flavour):
             if type(m) in layer_cls:
                 fully_shard(m, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    if checkpointing:  # as AWS's v2 scripts do after the FSDP wrap
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: type(m) in layer_cls,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                    checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     opt = tsm_models.optimizer(model)
     dp = mesh["dp"].get_local_rank()
     losses, norms = [], []
@@ -117,10 +167,11 @@ def _tp_fsdp_train(kind, flavour):
     return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms}
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("flavour", ["fsdp1", "fully_shard"])
-def test_tp2_fsdp2_matches_one_process(kind, flavour):
-    results = run_ranks(_tp_fsdp_train, 4, kind, flavour, timeout=300)
+@pytest.mark.parametrize("kind,flavour,checkpointing", [
+    ("llama", "fsdp1", False), ("gpt_neox", "fsdp1", False), ("llama", "fully_shard", False),
+    ("gpt_neox", "fully_shard", False), ("llama", "fsdp1", True)])
+def test_tp2_fsdp2_matches_one_process(kind, flavour, checkpointing):
+    results = run_ranks(_tp_fsdp_train, 4, kind, flavour, checkpointing, timeout=300)
     ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP)
     assert ref_norms[0] > CLIP
     for r in results:
