@@ -262,7 +262,6 @@ def test_indivisible_heads_refused_before_any_collective():
 def _cp_train(kind, comm_type, tp):
     """CP over the slow mesh dim (inside the FSDP1 sharding group, which averages gradients
     over it), TP over the fast one; every CP rank holds its 2 of the 4 sequence chunks."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict, split_for_cp

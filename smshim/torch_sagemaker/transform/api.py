@@ -19,7 +19,7 @@ from smshim.torch_sagemaker.transform.llama import LLAMA, MISTRAL
 from smshim.torch_sagemaker.transform.mixtral import MIXTRAL
 from smshim.torch_sagemaker.transform.plan import FamilyPlan
 from smshim.torch_sagemaker.transform.tensor_parallel import (check_divisible, parallelize_layers,
-                                                              parallelize_vocab)
+                                                              parallelize_vocab, split_param_names)
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +114,11 @@ def apply(model: nn.Module, *, tp_mesh: Optional[DeviceMesh], cp_mesh: Optional[
     if not on_meta and (device is not None or dtype is not None):
         model.to(device=device, dtype=dtype)
 
+    sharded: frozenset = frozenset()
     if tp > 1:
         parallelize_layers(model, plan, tp_mesh)
         parallelize_vocab(model, plan, tp_mesh)
-        from torch.distributed.tensor import DTensor
-        sharded = frozenset(n for n, p in model.named_parameters()
-                            if isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements))
-    else:
-        sharded = frozenset()
+        sharded = split_param_names(model)
 
     if ep > 1:
         from smshim.torch_sagemaker.transform.moe.expert_parallel import parallelize_experts

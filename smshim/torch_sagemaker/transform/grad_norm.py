@@ -14,7 +14,7 @@ torch.sagemaker.grad_norm.clip_grad_norm_ can call this directly.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,6 @@ its state at the first run: use dropout 0 with checkpointing, as the tests and A
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 class LocalStream:

@@ -10,7 +10,6 @@ activations' gradients, so their gradients are complete and equal on every TP ra
 from __future__ import annotations
 
 import logging
-from typing import Dict
 
 import torch
 from torch import nn
@@ -100,5 +99,7 @@ def parallelize_vocab(model: nn.Module, plan: FamilyPlan, mesh: DeviceMesh) -> N
         head.weight = embed.weight
 
 
-def tp_param_names(model: nn.Module) -> Dict[str, DTensor]:
-    return {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
+def split_param_names(model: nn.Module) -> frozenset:
+    """Names of the parameters that are split (not replicated) over some mesh dim."""
+    return frozenset(n for n, p in model.named_parameters()
+                     if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements))

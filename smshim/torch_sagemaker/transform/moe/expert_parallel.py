@@ -139,10 +139,6 @@ def parallelize_experts(model: nn.Module, plan, mesh: DeviceMesh, config) -> fro
         raise ValueError(f"expert_parallel_degree {mesh.size()} must divide the "
                          f"{E} experts of {type(model).__name__}")
     apply_routing(model, plan, config)
-    names = set()
-    for i, block in enumerate(_moe_blocks(model, plan)):
+    for block in _moe_blocks(model, plan):
         block.experts = ExpertParallelExperts(block.experts, mesh)
-    for n, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            names.add(n)
-    return frozenset(names)
+    return frozenset(n for n, p in model.named_parameters() if isinstance(p, DTensor))
