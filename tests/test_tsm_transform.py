@@ -516,3 +516,33 @@ def test_tp2_fsdp_bf16_mixed_precision_trains():
     for losses, fp32_params in run_ranks(_tp_fsdp_bf16, 4, timeout=180):
         assert fp32_params
         assert losses[-1] < losses[0] - 0.05, losses
+
+
+def _tp_hsdp_train():
+    """TP2 x HYBRID_SHARD (shard 2 x 2 replicas) on 8 ranks: SMP's hybrid_shard_degree layout."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
+
+    mesh = _init((2, 2, 2), ("rep", "shard", "tp"))
+    model = FSDP(apply(tsm_models.make("llama"), tp_mesh=mesh["tp"]),
+                 device_mesh=mesh["rep", "shard"], sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                 use_orig_params=True, device_id=torch.device("cpu"))
+    opt = tsm_models.optimizer(model)
+    dp = mesh["rep"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    norms = []
+    for x in tsm_models.batches():
+        x = x.chunk(4)[dp]
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        norms.append(clip_grad_norm_(model, CLIP).item())
+        opt.step()
+    return {"sd": full_hf_state_dict(model), "norms": norms}
+
+
+def test_tp2_hybrid_shard2_x2_matches_one_process():
+    results = run_ranks(_tp_hsdp_train, 8, timeout=300)
+    ref_sd, _, ref_norms = tsm_models.train_reference("llama", clip=CLIP)
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, abs=TOL)
+        assert tsm_models.max_diff(r["sd"], ref_sd) < TOL
