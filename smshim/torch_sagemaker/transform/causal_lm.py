@@ -29,10 +29,11 @@ IGNORE_INDEX = -100
 class ForwardSetup:
     tp_mesh: Optional[DeviceMesh]
     cp_mesh: Optional[DeviceMesh]
+    signature: Optional[inspect.Signature] = None  # of the HF class's forward, set by install
 
 
-def _bind(fn, model, args, kwargs) -> dict:
-    bound = inspect.signature(fn).bind(model, *args, **kwargs).arguments
+def _bind(sig: inspect.Signature, model, args, kwargs) -> dict:
+    bound = sig.bind(model, *args, **kwargs).arguments
     bound.pop("self", None)
     extra = bound.pop("kwargs", {})
     bound.update(extra)
@@ -79,7 +80,7 @@ def transformed_forward(self, *args, **kwargs):
     if getattr(self, "_smshim_z_losses", None) is not None:
         self._smshim_z_losses.clear()  # the routers append this call's z-losses
     hf_forward = type(self).forward
-    call = _bind(hf_forward, self, args, kwargs)
+    call = _bind(setup.signature, self, args, kwargs)
     labels = call.pop("labels", None)
     return_dict = call.pop("return_dict", None)
     if setup.cp_mesh is not None:
@@ -106,5 +107,6 @@ def transformed_forward(self, *args, **kwargs):
 
 
 def install(model: nn.Module, setup: ForwardSetup) -> None:
+    setup.signature = inspect.signature(type(model).forward)
     model._smshim_forward_setup = setup
     model.forward = types.MethodType(transformed_forward, model)
