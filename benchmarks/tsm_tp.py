@@ -2,7 +2,7 @@
 same Hugging Face Llama and the same global batch (4 processes, gloo, one thread each).
 
 Both wrap the model with torch's FSDP1 (use_orig_params=True, auto-wrap on the decoder layer):
-- "tp2_shard2": smshim.torch_sagemaker.transform.apply over a (dp=2, tp=2) mesh, FSDP over dp;
+- "tp2_shard2": smshim.torch_sagemaker.parallelize.apply over a (dp=2, tp=2) mesh, FSDP over dp;
 - "shard4": the plain HF model, FSDP over all 4 ranks.
 Reported per configuration: parameter bytes each rank holds between steps (its FSDP shards), the
 largest unit FSDP all-gathers for compute (a decoder layer: TP halves it), the median step time
@@ -50,7 +50,7 @@ def job(tp: int, args: Dict[str, Any]) -> Dict[str, Any]:
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from smshim.torch_sagemaker.transform import apply
+    from smshim.torch_sagemaker.parallelize import apply
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

@@ -1,4 +1,4 @@
-"""tsm.transform's engine (smshim.torch_sagemaker.transform.apply): tensor, context and expert
+"""tsm.transform's engine (smshim.torch_sagemaker.parallelize.apply): tensor, context and expert
 parallelism of tiny Hugging Face models train exactly like one process training the plain model
 on the same global batch (fp32, parameters within 1e-5 after 3 AdamW steps)."""
 
@@ -22,7 +22,7 @@ def _init(mesh_shape, names):
 
 
 def _tp_train(kind, attn="sdpa", overrides=None):
-    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import apply, full_hf_state_dict
 
     mesh = _init((2,), ("tp",))
     model = apply(tsm_models.make(kind, attn=attn, **(overrides or {})), tp_mesh=mesh["tp"])
@@ -55,7 +55,7 @@ def test_tp2_matches_one_process(kind, attn):
 def _tp_padded_grads(kind):
     """One forward/backward with left padding (attention_mask) and -100 labels, with and without
     num_items_in_batch: loss, full logits and full gradients."""
-    from smshim.torch_sagemaker.transform import apply
+    from smshim.torch_sagemaker.parallelize import apply
 
     mesh = _init((2,), ("tp",))
     model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"])
@@ -125,8 +125,8 @@ def _tp_fsdp_train(kind, flavour, checkpointing=False):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
-    from smshim.torch_sagemaker.transform.api import find_plan
+    from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize.api import find_plan
 
     mesh = _init((2, 2), ("dp", "tp"))
     model = tsm_models.make(kind)
@@ -186,7 +186,7 @@ def _rank0_load(kind):
     import torch.distributed as dist
     from accelerate import init_empty_weights
 
-    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import apply, full_hf_state_dict
 
     mesh = _init((2, 2), ("dp", "tp"))
     if dist.get_rank() == 0:
@@ -218,7 +218,7 @@ def test_load_state_dict_from_rank0(kind):
 
 
 def _full_sd_loads_into_hf(kind):
-    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import apply, full_hf_state_dict
 
     mesh = _init((2,), ("tp",))
     model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"])
@@ -241,7 +241,7 @@ def test_full_state_dict_loads_into_plain_hf(kind):
 def test_unsupported_model_names_supported_ones():
     import transformers as tf
 
-    from smshim.torch_sagemaker.transform import UnsupportedModelError, apply
+    from smshim.torch_sagemaker.parallelize import UnsupportedModelError, apply
 
     model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
@@ -249,7 +249,7 @@ def test_unsupported_model_names_supported_ones():
 
 
 def test_indivisible_heads_refused_before_any_collective():
-    from smshim.torch_sagemaker.transform import apply
+    from smshim.torch_sagemaker.parallelize import apply
 
     class FakeMesh:  # never used for communication: the check comes first
         def size(self):
@@ -264,7 +264,7 @@ def _cp_train(kind, comm_type, tp):
     over it), TP over the fast one; every CP rank holds its 2 of the 4 sequence chunks."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict, split_for_cp
+    from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_, full_hf_state_dict, split_for_cp
 
     mesh = _init((2, tp), ("cp", "tp"))
     model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"] if tp > 1 else None,
@@ -296,7 +296,7 @@ def test_cp2_matches_one_process(kind, comm_type, tp):
 
 
 def test_split_for_cp_layout():
-    from smshim.torch_sagemaker.transform.context_parallel import merge_cp_parts, split_for_cp
+    from smshim.torch_sagemaker.parallelize.context_parallel import merge_cp_parts, split_for_cp
 
     x = torch.arange(16).view(1, 16)
     parts = [split_for_cp(x, r, 2) for r in range(2)]
@@ -313,9 +313,9 @@ def _ep_train(balancing, steps=3):
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
-    from smshim.torch_sagemaker.transform.moe.expert_parallel import ExpertParallelExperts
-    from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
+    from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize.moe.expert_parallel import ExpertParallelExperts
+    from smshim.torch_sagemaker.parallelize.moe.moe_config import MoEConfig
 
     mesh = _init((2,), ("ep",))
     model = apply(tsm_models.make("mixtral"), tp_mesh=None, ep_mesh=mesh["ep"],
@@ -369,7 +369,7 @@ def _ep_train_repeat(balancing):
 
 
 def test_routing_helpers():
-    from smshim.torch_sagemaker.transform.moe.routing import balanced_topk, sinkhorn
+    from smshim.torch_sagemaker.parallelize.moe.routing import balanced_topk, sinkhorn
 
     torch.manual_seed(0)
     logits = torch.randn(32, 4) + torch.tensor([3.0, 0, 0, 0])  # expert 0 is everyone's favourite
@@ -384,8 +384,8 @@ def test_routing_helpers():
 
 
 def test_moe_config_and_refusals():
-    from smshim.torch_sagemaker.transform import apply
-    from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
+    from smshim.torch_sagemaker.parallelize import apply
+    from smshim.torch_sagemaker.parallelize.moe.moe_config import MoEConfig
 
     cfg = MoEConfig()
     assert (cfg.smp_moe, cfg.random_seed, cfg.moe_load_balancing, cfg.global_token_shuffle,
@@ -409,7 +409,7 @@ def test_moe_config_and_refusals():
 def _dropout_streams():
     import torch.distributed as dist
 
-    from smshim.torch_sagemaker.transform import apply
+    from smshim.torch_sagemaker.parallelize import apply
 
     mesh = _init((2,), ("tp",))
     model = apply(tsm_models.make("gpt_neox", attention_dropout=0.3, hidden_dropout=0.3),
@@ -451,7 +451,7 @@ def _dcp_save_tp2(kind, path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from smshim.torch_sagemaker.transform import apply, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import apply, full_hf_state_dict
 
     mesh = _init((2, 2), ("dp", "tp"))
     model = FSDP(apply(tsm_models.make(kind), tp_mesh=mesh["tp"]), device_mesh=mesh["dp"],
@@ -470,7 +470,7 @@ def _dcp_load_shard4(kind, path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from smshim.torch_sagemaker.transform import full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import full_hf_state_dict
 
     mesh = _init((4,), ("dp",))
     model = FSDP(tsm_models.make(kind, seed=42), device_mesh=mesh["dp"], use_orig_params=True,
@@ -491,7 +491,7 @@ def test_sharded_checkpoint_at_tp2_loads_at_tp1_shard4(tmp_path):
 def _tp_fsdp_bf16():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
 
-    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_
+    from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_
 
     mesh = _init((2, 2), ("dp", "tp"))
     model = FSDP(apply(tsm_models.make("llama"), tp_mesh=mesh["tp"]), device_mesh=mesh["dp"],
@@ -522,7 +522,7 @@ def _tp_hsdp_train():
     """TP2 x HYBRID_SHARD (shard 2 x 2 replicas) on 8 ranks: SMP's hybrid_shard_degree layout."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
-    from smshim.torch_sagemaker.transform import apply, clip_grad_norm_, full_hf_state_dict
+    from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_, full_hf_state_dict
 
     mesh = _init((2, 2, 2), ("rep", "shard", "tp"))
     model = FSDP(apply(tsm_models.make("llama"), tp_mesh=mesh["tp"]),

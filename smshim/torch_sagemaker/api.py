@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
-import sys
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -85,32 +82,21 @@ def is_initialized() -> bool:
     return state.initialized
 
 
-def _transform_impl():
-    """smshim.torch_sagemaker.transform (TP/CP/EP), if this installation has it."""
-    name = __package__ + ".transform"
-    if importlib.util.find_spec(name) is None:
-        return None
-    impl = importlib.import_module(name)
-    # Importing the subpackage bound the package attribute `transform` to it: rebind the function.
-    setattr(sys.modules[__package__], "transform", transform)
-    return impl
-
-
 def transform(model: torch.nn.Module, device: Optional[torch.device] = None,
               dtype: Optional[torch.dtype] = None, config: Any = None,
               load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> torch.nn.Module:
     """With TP, CP and EP degrees all 1 the model is returned as it is (nothing to split).
-    Otherwise the model is split by smshim.torch_sagemaker.transform.apply over `tsm.state`'s mesh."""
+    Otherwise the model is split by smshim.torch_sagemaker.parallelize.apply over `tsm.state`'s mesh."""
     if not state.initialized:
         raise RuntimeError("tsm.transform: call tsm.init() first")
     if state.tensor_parallel_degree == state.context_parallel_degree == state.expert_parallel_degree == 1:
         return model
-    impl = _transform_impl()
-    if impl is None:
-        raise NotImplementedError(
-            f"tsm.transform: tensor_parallel_degree={state.tensor_parallel_degree}, "
-            f"context_parallel_degree={state.context_parallel_degree}, expert_parallel_degree="
-            f"{state.expert_parallel_degree} need smshim.torch_sagemaker.transform, which this "
-            "smshim does not have; set the degrees to 1")
-    return impl.apply(model, state, device=device, dtype=dtype, config=config,
-                      load_state_dict_from_rank0=load_state_dict_from_rank0, cp_comm_type=cp_comm_type)
+    from smshim.torch_sagemaker import parallelize
+
+    mp = state.mesh["mp"]
+    return parallelize.apply(
+        model, tp_mesh=mp if state.tensor_parallel_degree > 1 else None,
+        cp_mesh=state.mesh["cp"] if state.context_parallel_degree > 1 else None,
+        ep_mesh=mp if state.expert_parallel_degree > 1 else None, device=device, dtype=dtype,
+        config=config, load_state_dict_from_rank0=load_state_dict_from_rank0,
+        cp_comm_type=cp_comm_type, random_seed=state.random_seed)

@@ -1,2 +1,2 @@
 """`torch.sagemaker.moe`: the public MoE names scripts import (re-exported from
-smshim.torch_sagemaker.transform.moe, which implements them)."""
+smshim.torch_sagemaker.parallelize.moe, which implements them)."""

@@ -1,7 +1,7 @@
 """Plan for Hugging Face Mixtral: expert parallelism (its experts split over the EP group); not
 tensor parallelism here (SMP does not combine the two either)."""
 
-from smshim.torch_sagemaker.transform.plan import FamilyPlan
+from smshim.torch_sagemaker.parallelize.plan import FamilyPlan
 
 MIXTRAL = FamilyPlan(
     name="mixtral", model_classes=("MixtralForCausalLM",), layer_class="MixtralDecoderLayer",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from smshim.torch_sagemaker.transform.hf_state_dict import hf_name
+from smshim.torch_sagemaker.parallelize.hf_state_dict import hf_name
 
 
 def _transform_info(model: nn.Module):

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from smshim.torch_sagemaker.transform import causal_lm, context_parallel, rank0_load, rng
-from smshim.torch_sagemaker.transform.gpt_neox import GPT_NEOX
-from smshim.torch_sagemaker.transform.llama import LLAMA, MISTRAL
-from smshim.torch_sagemaker.transform.mixtral import MIXTRAL
-from smshim.torch_sagemaker.transform.plan import FamilyPlan
-from smshim.torch_sagemaker.transform.tensor_parallel import (check_divisible, parallelize_layers,
+from smshim.torch_sagemaker.parallelize import causal_lm, context_parallel, rank0_load, rng
+from smshim.torch_sagemaker.parallelize.gpt_neox import GPT_NEOX
+from smshim.torch_sagemaker.parallelize.llama import LLAMA, MISTRAL
+from smshim.torch_sagemaker.parallelize.mixtral import MIXTRAL
+from smshim.torch_sagemaker.parallelize.plan import FamilyPlan
+from smshim.torch_sagemaker.parallelize.tensor_parallel import (check_divisible, parallelize_layers,
                                                               parallelize_vocab, split_param_names)
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def _check(model, plan, tp_mesh, cp_mesh, ep_mesh, cp_comm_type, config) -> None
         raise ValueError(f"expert_parallel_degree {ep} must divide the "
                          f"{model.config.num_local_experts} experts of {cls}")
     if config is not None and plan.supports_ep:
-        from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
+        from smshim.torch_sagemaker.parallelize.moe.moe_config import MoEConfig
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config for {cls} must be a MoEConfig, got {type(config).__name__}")
     if config is not None and ep <= 1 and getattr(config, "smp_moe", False) and plan.supports_ep:
@@ -121,10 +121,10 @@ def apply(model: nn.Module, *, tp_mesh: Optional[DeviceMesh], cp_mesh: Optional[
         sharded = split_param_names(model)
 
     if ep > 1:
-        from smshim.torch_sagemaker.transform.moe.expert_parallel import parallelize_experts
+        from smshim.torch_sagemaker.parallelize.moe.expert_parallel import parallelize_experts
         sharded = sharded | parallelize_experts(model, plan, ep_mesh, config)
     elif config is not None and plan.supports_ep:
-        from smshim.torch_sagemaker.transform.moe.expert_parallel import apply_routing
+        from smshim.torch_sagemaker.parallelize.moe.expert_parallel import apply_routing
         apply_routing(model, plan, config)
 
     if cp > 1:

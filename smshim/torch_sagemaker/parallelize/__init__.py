@@ -7,10 +7,10 @@ Public: `apply` (the transform), `clip_grad_norm_` (exact norm over TP and FSDP 
 load-balanced context-parallel slice of a batch), `moe.moe_config.MoEConfig`.
 """
 
-from smshim.torch_sagemaker.transform.api import SUPPORTED, UnsupportedModelError, apply
-from smshim.torch_sagemaker.transform.context_parallel import split_for_cp
-from smshim.torch_sagemaker.transform.grad_norm import clip_grad_norm_
-from smshim.torch_sagemaker.transform.hf_state_dict import full_hf_state_dict
+from smshim.torch_sagemaker.parallelize.api import SUPPORTED, UnsupportedModelError, apply
+from smshim.torch_sagemaker.parallelize.context_parallel import split_for_cp
+from smshim.torch_sagemaker.parallelize.grad_norm import clip_grad_norm_
+from smshim.torch_sagemaker.parallelize.hf_state_dict import full_hf_state_dict
 
 __all__ = ["apply", "clip_grad_norm_", "full_hf_state_dict", "split_for_cp", "SUPPORTED",
            "UnsupportedModelError"]

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from smshim.torch_sagemaker.transform import context_parallel as cp
-from smshim.torch_sagemaker.transform.vocab_parallel import gather_vocab, vocab_parallel_token_losses
+from smshim.torch_sagemaker.parallelize import context_parallel as cp
+from smshim.torch_sagemaker.parallelize.vocab_parallel import gather_vocab, vocab_parallel_token_losses
 
 IGNORE_INDEX = -100
 

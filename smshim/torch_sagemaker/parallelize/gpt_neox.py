@@ -1,7 +1,7 @@
 """Tensor-parallel plan for Hugging Face GPT-NeoX. Its fused query_key_value rows are laid out head
 by head ([q, k, v] per head), so a contiguous row split gives each rank whole heads."""
 
-from smshim.torch_sagemaker.transform.plan import COLWISE, ROWWISE, FamilyPlan
+from smshim.torch_sagemaker.parallelize.plan import COLWISE, ROWWISE, FamilyPlan
 
 GPT_NEOX = FamilyPlan(
     name="gpt_neox", model_classes=("GPTNeoXForCausalLM",), layer_class="GPTNeoXLayer",

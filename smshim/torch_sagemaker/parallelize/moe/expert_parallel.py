@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from smshim.torch_sagemaker.transform.moe.moe_config import MoEConfig
-from smshim.torch_sagemaker.transform.moe.routing import install_router
+from smshim.torch_sagemaker.parallelize.moe.moe_config import MoEConfig
+from smshim.torch_sagemaker.parallelize.moe.routing import install_router
 
 logger = logging.getLogger(__name__)
 

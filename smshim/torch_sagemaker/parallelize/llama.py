@@ -1,6 +1,6 @@
 """Tensor-parallel plan for Hugging Face Llama (2, 3, 3.1) and Mistral: the same decoder layout."""
 
-from smshim.torch_sagemaker.transform.plan import COLWISE, ROWWISE, FamilyPlan
+from smshim.torch_sagemaker.parallelize.plan import COLWISE, ROWWISE, FamilyPlan
 
 _LAYER = {
     "self_attn.q_proj": COLWISE,

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from smshim.torch_sagemaker.transform.plan import COLWISE, ROWWISE, FamilyPlan
+from smshim.torch_sagemaker.parallelize.plan import COLWISE, ROWWISE, FamilyPlan
 
 logger = logging.getLogger(__name__)
 
