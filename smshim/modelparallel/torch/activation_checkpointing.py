@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from . import tp_comm
 from .errors import SMPRuntimeError, SMPValidationError
 from .server import ctx
 from .state import state
@@ -93,7 +94,15 @@ def _run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, *args: A
     # Without grad (evaluation, the partitioning trace) there is nothing to save or recompute.
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return _torch_checkpoint(fn, *args, use_reentrant=False,
+    # The recomputation runs in backward; it must see the tensor-parallel nesting of this call
+    # (a module nested in a distributed module does not gather the TP ranks' batches).
+    depth = tp_comm.region_depth()
+
+    def at_this_depth(*a: Any, **k: Any) -> Any:
+        with tp_comm.at_region_depth(depth):
+            return fn(*a, **k)
+
+    return _torch_checkpoint(at_this_depth, *args, use_reentrant=False,
                              preserve_rng_state=preserve_rng_state, **kwargs)
 
 

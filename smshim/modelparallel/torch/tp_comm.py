@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["create_groups", "set_compute_lock", "current_group", "tp_world", "copy_to_tp",
            "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "tracing", "region",
-           "gathers_batch", "batch_in", "batch_out", "agree"]
+           "gathers_batch", "batch_in", "batch_out", "agree", "region_depth", "at_region_depth"]
 
 # Microbatch index -> this rank's TP process group for that microbatch.
 _mb_groups: Dict[int, Any] = {}
@@ -247,6 +247,24 @@ class region:
 
     def __exit__(self, *exc: Any) -> None:
         _region.depth -= 1
+
+
+def region_depth() -> int:
+    """How many distributed modules' forwards this thread is inside."""
+    return getattr(_region, "depth", 0)
+
+
+@contextlib.contextmanager
+def at_region_depth(depth: int):
+    """Run as if inside `depth` distributed modules' forwards: activation checkpointing's
+    recomputation of a module that ran nested (no batch gathering of its own) runs in backward,
+    outside any region, and must not gather the batch there either."""
+    saved = region_depth()
+    _region.depth = depth
+    try:
+        yield
+    finally:
+        _region.depth = saved
 
 
 def gathers_batch() -> bool:

@@ -270,8 +270,10 @@ class DistributedTransformer(DistributedModule):
         self.both_layernorms = pre_layernorm and post_layernorm
         if self.both_layernorms:
             self.input_layernorm = _layernorm(hidden_size, layernorm_epsilon)
-        self.seq_layers = nn.ModuleList(DistributedTransformerLayer(**kwargs)
-                                        for _ in range(num_layers))
+        # An nn.Sequential (each layer maps the tuple to the tuple), so that scripts can hand it
+        # to smp.set_activation_checkpointing(..., strategy=) as SMP's examples do.
+        self.seq_layers = nn.Sequential(*(DistributedTransformerLayer(**kwargs)
+                                          for _ in range(num_layers)))
         if self.both_layernorms:
             self.output_layernorm = _layernorm(hidden_size, layernorm_epsilon)
 
@@ -283,10 +285,7 @@ class DistributedTransformer(DistributedModule):
     def _local(self, hidden: torch.Tensor, *rest: Optional[torch.Tensor]) -> torch.Tensor:
         if self.both_layernorms:
             hidden = self.input_layernorm(hidden)
-        state = (hidden,) + rest
-        for layer in self.seq_layers:
-            state = layer(state)
-        hidden = state[0]
+        hidden = self.seq_layers((hidden,) + rest)[0]
         return self.output_layernorm(hidden) if self.both_layernorms else hidden
 
 
