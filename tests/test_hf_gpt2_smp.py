@@ -56,7 +56,7 @@ def _optimizer(params, kind):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3):
+def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strategy=None):
     import smdistributed.modelparallel.torch as smp
     from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
         translate_hf_state_dict_to_smdistributed_gpt2)
@@ -78,6 +78,8 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3):
     model.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(_hf(n_layer).state_dict()))
     for name, pid in (manual or {}).items():
         smp.set_partition(module.get_submodule(name), pid)
+    if strategy is not None:
+        smp.set_activation_checkpointing(module.transformer.seq_layers, strategy=strategy)
     opt = smp.DistributedOptimizer(_optimizer(model.parameters(), opt_kind))
 
     @smp.step
@@ -179,11 +181,12 @@ def test_gpt2_tp2_prescaled_adam():
 
 def test_gpt2_pp2_tp2_manual_partition():
     """4 ranks: layers 1 and 2 on stage 1 (as the AWS script's set_partition on seq_layers'
-    children), embeddings, layer 0, final layernorm and head on stage 0."""
+    children), embeddings, layer 0, final layernorm and head on stage 0; seq_layers checkpointed
+    with strategy "contiguous" (one unit per stage's run of layers)."""
     cfg = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
            "auto_partition": False, "default_partition": 0}
     manual = {"transformer.seq_layers.1": 1, "transformer.seq_layers.2": 1}
-    results = run_ranks(_train_smp, 4, cfg, "sgd", manual, timeout=360)
+    results = run_ranks(_train_smp, 4, cfg, "sgd", manual, None, 3, "contiguous", timeout=360)
     _check(results)
 
 
