@@ -102,6 +102,14 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
     info.update(full=full, rank=smp.rank())
     if ckpt_dir is not None:
         smp.save_checkpoint(ckpt_dir, "full", partial=False, model=model)
+        # ... and resumes (translated back to smp's layout on the way in)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        smp.resume_from_checkpoint(ckpt_dir, tag="full", partial=False, load_optimizer=False)
+        again = model.state_dict()
+        if full is not None:
+            info["resumed_equal"] = all(torch.equal(again[k], v) for k, v in full.items())
         ids = _data()[0][0]
         model.eval()
         with torch.no_grad():
@@ -165,6 +173,7 @@ def test_gpt2_tp2_trains_as_hf_gpt2_sgd(tmp_path):
     plain = GPT2LMHeadModel(_config())
     plain.load_state_dict(full, strict=True)
     plain.eval()
+    assert results[0]["resumed_equal"]
     for r in results:
         assert r["output_type"] == "CausalLMOutputWithCrossAttentions"
         with torch.no_grad():

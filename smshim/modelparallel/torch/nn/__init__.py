@@ -7,6 +7,7 @@ modules. How the collectives stay safe under the pipeline's concurrent microbatc
 tp_comm.py. How parameters are split and gathered: tp_shard.py.
 """
 
+from . import huggingface  # smp.nn.huggingface.<family>: the state-dict translators (SPEC §7.6)
 from .base import DistributedModule
 from .layers import DistributedEmbedding, DistributedLinear, FusedLayerNorm
 from .transformer import (
@@ -20,5 +21,5 @@ from .transformer import (
 __all__ = [
     "DistributedModule", "DistributedLinear", "DistributedEmbedding", "DistributedTransformer",
     "DistributedTransformerLayer", "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
-    "DistributedTransformerLMHead", "FusedLayerNorm",
+    "DistributedTransformerLMHead", "FusedLayerNorm", "huggingface",
 ]
