@@ -9,9 +9,10 @@ is never overwritten by an outer context. `set_tensor_parallelism(module, enable
 marks `module` and everything below it (overwriting; created_inside False).
 
 Hugging Face models SMP supports out of the box (SPEC §7.6). A model of such a class (today
-GPT2LMHeadModel: nn/hf_gpt2_lm.py) *created inside* an enabled context becomes smp's distributed
-transformer (`DistributedTransformerLMHead` family) built from its config and holding its weights,
-at any tensor_parallel_degree (whole at 1), and the (smp -> Hugging Face, Hugging Face -> smp)
+GPT2LMHeadModel, BertForMaskedLM, RobertaForMaskedLM: nn/hf_gpt2_lm.py, nn/hf_bert_lm.py)
+*created inside* an enabled context becomes smp's distributed transformer
+(`DistributedTransformerLMHead` family) built from its config and holding its weights, at any
+tensor_parallel_degree (whole at 1), and the (smp -> Hugging Face, Hugging Face -> smp)
 state-dict translators are registered in `smp.state.module_manager.translate_functions`, so full
 checkpoints are written in Hugging Face's layout. Marked afterwards by `set_tensor_parallelism`, the
 same model keeps Hugging Face's implementation and layout, and its blocks are split in place (as
@@ -45,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 from torch import nn
 
 from . import nn as smp_nn
-from .nn import hf_bert, hf_gpt2, hf_gpt2_lm, hf_gpt_neox, hf_layouts
+from .nn import hf_bert, hf_bert_lm, hf_gpt2, hf_gpt2_lm, hf_gpt_neox, hf_layouts
 from .state import state
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,13 @@ _HF_BLOCKS: List[Tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Option
     (hf_gpt_neox.is_gpt_neox_layer, hf_gpt_neox.distribute_block),
     (hf_bert.is_bert_layer, hf_bert.distribute_block),
 ]
-# Hugging Face models replaced whole by smp's transformer: (is this class, family, build it or None).
+# Hugging Face models replaced whole by smp's transformer: (is this class, family, build it
+# or None).
 _HF_MODELS: List[Tuple[Callable[[nn.Module], bool], str,
                        Callable[[nn.Module], Optional[nn.Module]]]] = [
     (hf_gpt2_lm.is_gpt2_lm, "gpt2", hf_gpt2_lm.replace_model),
+    (hf_bert_lm.is_bert_mlm, "bert", hf_bert_lm.replace_model),
+    (hf_bert_lm.is_roberta_mlm, "roberta", hf_bert_lm.replace_model),
 ]
 _contexts: List[Tuple[bool, Dict[str, Any], bool]] = []
 

@@ -37,7 +37,8 @@ from .transformer import DistributedTransformerLMHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedGPT2LMHead", "is_gpt2_lm", "gpt2_config_problem", "TiedLMHead"]
+__all__ = ["DistributedGPT2LMHead", "is_gpt2_lm", "gpt2_config_problem", "TiedLMHead",
+           "refuse_arguments", "replace_model", "causal_lm_loss"]
 
 # Hugging Face activation names -> smp.nn's ("gelu_new" and "gelu_pytorch_tanh" are both the
 # tanh approximation).
@@ -63,15 +64,18 @@ def gpt2_config_problem(config: Any) -> Optional[str]:
 
 
 class TiedLMHead(DistributedModule):
-    """logits = hidden @ weight.T with `weight` the word embedding's (split over the hidden size:
-    each rank multiplies its hidden columns by its columns of the table; partial logits summed)."""
+    """logits = hidden @ weight.T (+ bias) with `weight` the word embedding's (split over the
+    hidden size: each rank multiplies its hidden columns by its columns of the table; partial
+    logits summed). The bias is a plain parameter added to this rank's rows after the region."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter] = None) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._forward_region(self._local, hidden)
+        out = self._forward_region(self._local, hidden)
+        return out if self.bias is None else out + self.bias
 
     def _local(self, hidden: torch.Tensor) -> torch.Tensor:
         local = tp_comm.scatter_to_tp(hidden, -1)
@@ -120,10 +124,12 @@ class DistributedGPT2LMHead(DistributedTransformerLMHead):
                 return_dict: Optional[bool] = None, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-        _refuse(past_key_values=past_key_values, head_mask=head_mask,
-                inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
-                output_attentions=output_attentions or None,
-                output_hidden_states=output_hidden_states or None)
+        refuse_arguments(type(self).__name__, past_key_values=past_key_values,
+                         head_mask=head_mask,
+                         inputs_embeds=inputs_embeds,
+                         encoder_hidden_states=encoder_hidden_states,
+                         output_attentions=output_attentions or None,
+                         output_hidden_states=output_hidden_states or None)
         if input_ids is None:
             raise ValueError("DistributedGPT2LMHead.forward: pass input_ids")
         n, s = input_ids.shape
@@ -160,13 +166,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     return total / num_items_in_batch
 
 
-def _refuse(**given: Any) -> None:
+def refuse_arguments(cls: str, **given: Any) -> None:
+    """Hugging Face forward arguments smp's transformer does not implement: a clear error."""
     used = [k for k, v in given.items() if v is not None]
     if used:
         raise SMPUnsupportedError(
-            f"smp's GPT-2 transformer (a GPT2LMHeadModel created under smp.tensor_parallelism) "
-            f"does not take {used} in smshim; create the model outside the tensor-parallel "
-            "context to keep Hugging Face's implementation, or leave these arguments out")
+            f"{cls} (smp's transformer made of a Hugging Face model created under "
+            f"smp.tensor_parallelism) does not take {used} in smshim; create the model outside "
+            "the tensor-parallel context to keep Hugging Face's implementation, or leave these "
+            "arguments out")
 
 
 def replace_model(hf_model: nn.Module) -> Optional[nn.Module]:
