@@ -20,19 +20,35 @@ TOL = 1e-5
 VOCAB, SEQ, BATCH, STEPS = 64, 12, 8, 3
 
 
-def _config(n_layer=3):
-    from transformers import GPT2Config
+def _config(n_layer=3, family="gpt2"):
+    from transformers import GPT2Config, GPTNeoConfig
 
+    if family == "gptneo":  # global and local (window 4) layers in turn
+        return GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=n_layer, num_heads=4,
+                            max_position_embeddings=16, window_size=4,
+                            attention_types=[[["global", "local"], 1], [["global"], 1]],
+                            embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0,
+                            bos_token_id=0, eos_token_id=0, initializer_range=0.2,
+                            use_cache=False)
     return GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=n_layer, n_head=4,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                       bos_token_id=0, eos_token_id=0, initializer_range=0.2)
 
 
-def _hf(n_layer=3, seed=1):
-    from transformers import GPT2LMHeadModel
+def _hf(n_layer=3, seed=1, family="gpt2"):
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(_config(n_layer))
+    return AutoModelForCausalLM.from_config(_config(n_layer, family))
+
+
+def _translators(family):
+    from smdistributed.modelparallel.torch.nn.huggingface import gpt2, gptneo
+
+    if family == "gptneo":
+        return (gptneo.translate_state_dict_to_hf_gptneo,
+                gptneo.translate_hf_state_dict_to_smdistributed_gptneo)
+    return gpt2.translate_state_dict_to_hf_gpt2, gpt2.translate_hf_state_dict_to_smdistributed_gpt2
 
 
 def _data():
@@ -56,17 +72,16 @@ def _optimizer(params, kind):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strategy=None):
+def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strategy=None,
+               family="gpt2"):
     import smdistributed.modelparallel.torch as smp
-    from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
-        translate_hf_state_dict_to_smdistributed_gpt2)
     from transformers import AutoModelForCausalLM
 
     smp.init(cfg)
     torch.manual_seed(100 + smp.rank())  # the model's own init differs per rank: weights loaded
     with smp.model_creation(tensor_parallelism=True, fused_softmax=True, fused_bias_gelu=True,
                             attention_in_fp32=False, query_key_layer_scaling=False):
-        model = AutoModelForCausalLM.from_config(_config(n_layer))
+        model = AutoModelForCausalLM.from_config(_config(n_layer, family))
     model = smp.DistributedModel(model, trace_device="gpu")
     module = model.get_module()
     info = {"type": type(module).__name__,
@@ -75,7 +90,7 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
             "layers": [type(c).__name__ for c in module.transformer.seq_layers.children()],
             "sub": [(type(c.attention).__name__, type(c.output).__name__)
                     for c in module.transformer.seq_layers.children()]}
-    model.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(_hf(n_layer).state_dict()))
+    model.load_state_dict(_translators(family)[1](_hf(n_layer, family=family).state_dict()))
     for name, pid in (manual or {}).items():
         smp.set_partition(module.get_submodule(name), pid)
     if strategy is not None:
@@ -119,8 +134,8 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
     return info
 
 
-def _reference(opt_kind="sgd", n_layer=3, parts=4):
-    model = _hf(n_layer)
+def _reference(opt_kind="sgd", n_layer=3, parts=4, family="gpt2"):
+    model = _hf(n_layer, family=family)
     opt = _optimizer(model.parameters(), opt_kind)
     for ids, mask, labels in _data():
         opt.zero_grad()
@@ -134,16 +149,15 @@ def _reference(opt_kind="sgd", n_layer=3, parts=4):
     return model
 
 
-def _check(results, opt_kind="sgd", n_layer=3, parts=4):
+def _check(results, opt_kind="sgd", n_layer=3, parts=4, family="gpt2"):
     """parts: the microbatches of all data-parallel replicas of one step (their losses are
     averaged)."""
-    from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
-        translate_state_dict_to_hf_gpt2)
-
-    ref = _reference(opt_kind, n_layer, parts).state_dict()
+    translate_state_dict_to_hf_gpt2 = _translators(family)[0]  # (or GPT-Neo's)
+    ref = _reference(opt_kind, n_layer, parts, family).state_dict()
     checked = 0
+    kind = {"gpt2": "DistributedGPT2LMHead", "gptneo": "DistributedGPTNeoForCausalLM"}[family]
     for r in results:
-        assert r["type"] == "DistributedGPT2LMHead" and r["is_lmhead"], r["type"]
+        assert r["type"] == kind and r["is_lmhead"], r["type"]
         assert r["seq"] == "Sequential"
         assert r["layers"] == ["DistributedTransformerLayer"] * n_layer
         assert r["sub"] == [("DistributedAttentionLayer",
@@ -197,6 +211,13 @@ def test_gpt2_pp2_tp2_manual_partition():
     manual = {"transformer.seq_layers.1": 1, "transformer.seq_layers.2": 1}
     results = run_ranks(_train_smp, 4, cfg, "sgd", manual, None, 3, "contiguous", timeout=360)
     _check(results)
+
+
+def test_gptneo_tp2_trains_as_hf_gptneo():
+    """GPT-Neo (unscaled attention, bias-free q/k/v, a local-attention layer) the same way."""
+    cfg = {"tensor_parallel_degree": 2, "microbatches": 2}
+    results = run_ranks(_train_smp, 2, cfg, "sgd", None, None, 3, None, "gptneo", timeout=240)
+    _check(results, family="gptneo")
 
 
 def test_gpt2_tp1_is_smp_transformer_whole():

@@ -38,7 +38,7 @@ from .transformer import DistributedTransformerLMHead
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedGPT2LMHead", "is_gpt2_lm", "gpt2_config_problem", "TiedLMHead",
-           "refuse_arguments", "replace_model", "causal_lm_loss"]
+           "refuse_arguments", "replace_model", "causal_lm_loss", "build_replacement"]
 
 # Hugging Face activation names -> smp.nn's ("gelu_new" and "gelu_pytorch_tanh" are both the
 # tanh approximation).
@@ -181,14 +181,22 @@ def replace_model(hf_model: nn.Module) -> Optional[nn.Module]:
     """The DistributedGPT2LMHead computing what `hf_model` (a GPT2LMHeadModel) computes, with its
     weights, dtype and train/eval mode; None (logged) when the config cannot be mapped exactly.
     Raises ValueError when the sizes do not divide by tensor_parallel_degree."""
+    return build_replacement(hf_model, DistributedGPT2LMHead, "gpt2",
+                             gpt2_config_problem(hf_model.config))
+
+
+def build_replacement(hf_model: nn.Module, cls: type, family: str,
+                      problem: Optional[str]) -> Optional[nn.Module]:
+    """`cls(hf_model.config)` holding `hf_model`'s weights (translated to smp's layout), in its
+    dtype and train/eval mode; None (logged) when `problem` says the mapping is not exact."""
     from .hf_layouts import hf_to_smp
 
-    problem = gpt2_config_problem(hf_model.config)
     if problem is not None:
-        logger.info("GPT2LMHeadModel kept as Hugging Face's implementation: %s", problem)
+        logger.info("%s kept as Hugging Face's implementation: %s", type(hf_model).__name__,
+                    problem)
         return None
-    new = DistributedGPT2LMHead(hf_model.config)
-    new.load_state_dict(hf_to_smp("gpt2", hf_model.state_dict()), strict=True)
+    new = cls(hf_model.config)
+    new.load_state_dict(hf_to_smp(family, hf_model.state_dict()), strict=True)
     dtypes = {p.dtype for p in hf_model.parameters()}
     if len(dtypes) == 1:
         new.to(dtype=dtypes.pop())

@@ -103,6 +103,10 @@ class DistributedAttentionLayer(DistributedModule):
             self.pre_layernorm_module = _layernorm(hidden_size, layernorm_epsilon)
         if post_layernorm:
             self.layernorm = _layernorm(hidden_size, layernorm_epsilon)
+        # Not constructor arguments (SPEC §7 has none): set by the Hugging Face mappings that
+        # need them (GPT-Neo: unscaled scores, local attention within a window of positions).
+        self.score_scale: Optional[float] = None  # None: 1 / sqrt(attention_head_size)
+        self.local_window: Optional[int] = None
 
     def forward(self, hidden_states: torch.Tensor, *rest: Optional[torch.Tensor]) -> torch.Tensor:
         """forward(hidden_states, attention_mask) or, with cross_attention,
@@ -126,9 +130,13 @@ class DistributedAttentionLayer(DistributedModule):
             return t.view(t.shape[0], t.shape[1], self.local_heads, self.head_size).transpose(1, 2)
 
         q, k, v = heads(self.query(xc)), heads(self.key(kv)), heads(self.value(kv))
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = (scores / math.sqrt(self.head_size) if self.score_scale is None
+                  else scores * self.score_scale)
         if self.causal_mask_size is not None and cross is None:
             causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            if self.local_window is not None:  # only the last local_window positions
+                causal = causal & ~causal.tril(-self.local_window)
             scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
         if mask is not None:
             scores = scores + mask
