@@ -21,7 +21,12 @@ VOCAB, SEQ, BATCH, STEPS = 64, 12, 8, 3
 
 
 def _config(n_layer=3, family="gpt2"):
-    from transformers import GPT2Config, GPTNeoConfig
+    from transformers import GPT2Config, GPTJConfig, GPTNeoConfig
+
+    if family == "gptj":  # rotary on half of each head's 8 features, untied head with a bias
+        return GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=n_layer, n_head=4, n_positions=16,
+                          rotary_dim=4, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,
+                          bos_token_id=0, eos_token_id=0, initializer_range=0.2, use_cache=False)
 
     if family == "gptneo":  # global and local (window 4) layers in turn
         return GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=n_layer, num_heads=4,
@@ -43,8 +48,11 @@ def _hf(n_layer=3, seed=1, family="gpt2"):
 
 
 def _translators(family):
-    from smdistributed.modelparallel.torch.nn.huggingface import gpt2, gptneo
+    from smdistributed.modelparallel.torch.nn.huggingface import gpt2, gptj, gptneo
 
+    if family == "gptj":
+        return (gptj.translate_state_dict_to_hf_gptj,
+                gptj.translate_hf_gptj_state_dict_to_smdistributed_gptj)
     if family == "gptneo":
         return (gptneo.translate_state_dict_to_hf_gptneo,
                 gptneo.translate_hf_state_dict_to_smdistributed_gptneo)
@@ -87,7 +95,8 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
     info = {"type": type(module).__name__,
             "is_lmhead": isinstance(module, smp.nn.DistributedTransformerLMHead),
             "seq": type(module.transformer.seq_layers).__name__,
-            "layers": [type(c).__name__ for c in module.transformer.seq_layers.children()],
+            "layers": [type(c).__name__ for c in module.transformer.seq_layers.children()
+                       if isinstance(c, smp.nn.DistributedTransformerLayer)],
             "sub": [(type(c.attention).__name__, type(c.output).__name__)
                     for c in module.transformer.seq_layers.children()]}
     model.load_state_dict(_translators(family)[1](_hf(n_layer, family=family).state_dict()))
@@ -155,11 +164,13 @@ def _check(results, opt_kind="sgd", n_layer=3, parts=4, family="gpt2"):
     translate_state_dict_to_hf_gpt2 = _translators(family)[0]  # (or GPT-Neo's)
     ref = _reference(opt_kind, n_layer, parts, family).state_dict()
     checked = 0
-    kind = {"gpt2": "DistributedGPT2LMHead", "gptneo": "DistributedGPTNeoForCausalLM"}[family]
+    kind = {"gpt2": "DistributedGPT2LMHead", "gptneo": "DistributedGPTNeoForCausalLM",
+            "gptj": "DistributedGPTJForCausalLM"}[family]
+    layer = "GPTJLayer" if family == "gptj" else "DistributedTransformerLayer"
     for r in results:
         assert r["type"] == kind and r["is_lmhead"], r["type"]
         assert r["seq"] == "Sequential"
-        assert r["layers"] == ["DistributedTransformerLayer"] * n_layer
+        assert r["layers"] == [layer] * n_layer
         assert r["sub"] == [("DistributedAttentionLayer",
                              "DistributedTransformerOutputLayer")] * n_layer
         if r["full"] is None:
@@ -213,11 +224,13 @@ def test_gpt2_pp2_tp2_manual_partition():
     _check(results)
 
 
-def test_gptneo_tp2_trains_as_hf_gptneo():
-    """GPT-Neo (unscaled attention, bias-free q/k/v, a local-attention layer) the same way."""
+@pytest.mark.parametrize("family", ["gptneo", "gptj"])
+def test_gptneo_gptj_tp2_train_as_hf(family):
+    """GPT-Neo (unscaled attention, bias-free q/k/v, a local-attention layer) and GPT-J (rotary,
+    parallel attention + MLP, untied head with a bias) the same way."""
     cfg = {"tensor_parallel_degree": 2, "microbatches": 2}
-    results = run_ranks(_train_smp, 2, cfg, "sgd", None, None, 3, None, "gptneo", timeout=240)
-    _check(results, family="gptneo")
+    results = run_ranks(_train_smp, 2, cfg, "sgd", None, None, 3, None, family, timeout=240)
+    _check(results, family=family)
 
 
 def test_gpt2_tp1_is_smp_transformer_whole():

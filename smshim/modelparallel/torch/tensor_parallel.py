@@ -8,9 +8,9 @@ submodule is marked (torch's global registration hooks), the innermost context f
 is never overwritten by an outer context. `set_tensor_parallelism(module, enabled, **config)`
 marks `module` and everything below it (overwriting; created_inside False).
 
-Hugging Face models SMP supports out of the box (SPEC §7.6). A model of such a class (today
-GPT2LMHeadModel, BertForMaskedLM, RobertaForMaskedLM, GPTNeoForCausalLM: nn/hf_*_lm.py)
-*created inside* an enabled context becomes smp's distributed transformer
+Hugging Face models SMP supports out of the box (SPEC §7.6). A model of such a class
+(GPT2LMHeadModel, GPTNeoForCausalLM, GPTJForCausalLM, BertForMaskedLM, RobertaForMaskedLM:
+nn/hf_*_lm.py) *created inside* an enabled context becomes smp's distributed transformer
 (`DistributedTransformerLMHead` family) built from its config and holding its weights, at any
 tensor_parallel_degree (whole at 1), and the (smp -> Hugging Face, Hugging Face -> smp)
 state-dict translators are registered in `smp.state.module_manager.translate_functions`, so full
@@ -46,7 +46,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 from torch import nn
 
 from . import nn as smp_nn
-from .nn import hf_bert, hf_bert_lm, hf_gpt2, hf_gpt2_lm, hf_gpt_neox, hf_gptneo_lm, hf_layouts
+from .nn import (hf_bert, hf_bert_lm, hf_gpt2, hf_gpt2_lm, hf_gpt_neox, hf_gptj_lm,
+                 hf_gptneo_lm, hf_layouts)
 from .state import state
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ _HF_MODELS: List[Tuple[Callable[[nn.Module], bool], str,
     (hf_bert_lm.is_bert_mlm, "bert", hf_bert_lm.replace_model),
     (hf_bert_lm.is_roberta_mlm, "roberta", hf_bert_lm.replace_model),
     (hf_gptneo_lm.is_gptneo_lm, "gptneo", hf_gptneo_lm.replace_model),
+    (hf_gptj_lm.is_gptj_lm, "gptj", hf_gptj_lm.replace_model),
 ]
 _contexts: List[Tuple[bool, Dict[str, Any], bool]] = []
 

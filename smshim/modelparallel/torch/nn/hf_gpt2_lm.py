@@ -135,7 +135,7 @@ class DistributedGPT2LMHead(DistributedTransformerLMHead):
         n, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(n, s)
-        h = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        h = self._embed(input_ids, position_ids)
         if token_type_ids is not None:  # GPT-2 embeds token types with the word embedding
             h = h + self.word_embedding(token_type_ids)
         h = self.dropout(h)
@@ -145,7 +145,7 @@ class DistributedGPT2LMHead(DistributedTransformerLMHead):
         else:
             keep = attention_mask.reshape(n, 1, 1, s).to(h.dtype)
             mask = (1.0 - keep) * torch.finfo(h.dtype).min
-        h = self.transformer.seq_layers((h, mask))[0]
+        h = self.transformer.seq_layers(self._layer_inputs(h, mask, position_ids))[0]
         logits = self.lm_head(self.final_layernorm(h))
         loss = None
         if labels is not None:
@@ -153,6 +153,14 @@ class DistributedGPT2LMHead(DistributedTransformerLMHead):
         if return_dict is False:
             return (loss, logits) if loss is not None else (logits,)
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+
+
+    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embedding(input_ids) + self.position_embedding(position_ids)
+
+    def _layer_inputs(self, h: torch.Tensor, mask: torch.Tensor,
+                      position_ids: torch.Tensor) -> "tuple[torch.Tensor, ...]":
+        return (h, mask)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
