@@ -104,6 +104,11 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
         smp.set_partition(module.get_submodule(name), pid)
     if strategy is not None:
         smp.set_activation_checkpointing(module.transformer.seq_layers, strategy=strategy)
+    # Forward calls of the layers' query projections on this rank (the owner runs them; a
+    # checkpointed layer runs them again in backward).
+    calls = []
+    for c in module.transformer.seq_layers.children():
+        c.attention.query.register_forward_hook(lambda *a: calls.append(1))
     opt = smp.DistributedOptimizer(_optimizer(model.parameters(), opt_kind))
 
     @smp.step
@@ -122,6 +127,7 @@ def _train_smp(cfg, opt_kind="sgd", manual=None, ckpt_dir=None, n_layer=3, strat
         train_step(model, ids[r * k:(r + 1) * k], mask[r * k:(r + 1) * k],
                    labels[r * k:(r + 1) * k])
         opt.step()
+    info["query_calls"] = len(calls)
     full = model.state_dict() if smp.rdp_rank() == 0 else None
     info.update(full=full, rank=smp.rank())
     if ckpt_dir is not None:
@@ -222,6 +228,8 @@ def test_gpt2_pp2_tp2_manual_partition():
     manual = {"transformer.seq_layers.1": 1, "transformer.seq_layers.2": 1}
     results = run_ranks(_train_smp, 4, cfg, "sgd", manual, None, 3, "contiguous", timeout=360)
     _check(results)
+    # 3 steps x 2 microbatches x 3 layers x 2 TP ranks, each layer run twice (recomputed)
+    assert sum(r["query_calls"] for r in results) == 2 * 36, [r["query_calls"] for r in results]
 
 
 @pytest.mark.parametrize("family", ["gptneo", "gptj"])
