@@ -12,7 +12,10 @@ scripts make are exercised end to end:
         --channel train=/tmp/gpt2_data examples/gpt2_aws_style.py --max_steps 12
 
 The smp calls: `smp.init()`, `smp.model_creation(tensor_parallelism=..., dtype=...)`,
-`smp.DistributedModel`, `smp.set_activation_checkpointing` on every transformer layer,
+`smp.DistributedModel`, `smp.set_activation_checkpointing` on every transformer layer (with tensor
+parallelism the GPT-2 becomes smp's distributed transformer: `get_module().transformer.seq_layers`,
+checkpointed with `strategy=`, and its full state dict is translated back with
+`translate_state_dict_to_hf_gpt2`, as AWS's script does),
 `smp.DistributedOptimizer(opt, static_loss_scale=None, dynamic_loss_scale=True,
 dynamic_loss_args={...})`, `@smp.step` with `model.backward`, `optimizer.clip_master_grads`,
 `optimizer.overflow`, `smp.get_tp_group()`, `smp.tp_rank()`, `smp.rdp_rank()`, `smp.dp_rank()`,
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import smdistributed.modelparallel.torch as smp
 from smdistributed.modelparallel.torch.nn import FusedLayerNorm as LayerNorm
+from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 log = logging.getLogger("gpt2")
@@ -137,7 +141,9 @@ def main() -> int:
         n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False, bos_token_id=0,
         eos_token_id=0, return_dict=True)
-    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=dtype,
+    # Under tensor parallelism smp runs the GPT-2 as its own distributed transformer.
+    use_distributed_transformer = smp.tp_size() > 1
+    with smp.model_creation(tensor_parallelism=use_distributed_transformer, dtype=dtype,
                             attention_in_fp32=False, query_key_layer_scaling=False,
                             fused_softmax=True, fused_bias_gelu=True):
         model = AutoModelForCausalLM.from_config(model_config)
@@ -148,8 +154,12 @@ def main() -> int:
 
     model = smp.DistributedModel(model, trace_device="gpu")
     if args.activation_checkpointing:
-        for c in model.get_module().transformer.h.children():
-            smp.set_activation_checkpointing(c)
+        if use_distributed_transformer:
+            smp.set_activation_checkpointing(model.get_module().transformer.seq_layers,
+                                             strategy="each")
+        else:
+            for c in model.get_module().transformer.h.children():
+                smp.set_activation_checkpointing(c)
 
     optimizer = torch.optim.AdamW(get_param_groups_by_weight_decay(model.get_module(),
                                                                    args.weight_decay),
@@ -203,6 +213,8 @@ def main() -> int:
                      v3=not gather_if_shard)
         full = model.state_dict()  # gathers pipeline stages and tensor-parallel shards
         if smp.rank() == 0:
+            if use_distributed_transformer:  # smp's layout -> Hugging Face's
+                full = translate_state_dict_to_hf_gpt2(full, max_seq_len=None)
             torch.save(full, os.path.join(args.checkpoint_dir, "full_model.pt"))
         smp.barrier()
 

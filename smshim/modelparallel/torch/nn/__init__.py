@@ -8,6 +8,7 @@ tensor_parallel/collectives.py. How parameters are split and gathered:
 tensor_parallel/shard.py. The modules themselves live in tensor_parallel/nn/.
 """
 
+from smshim.modelparallel.torch.nn import huggingface  # smp.nn.huggingface.<family>: the state-dict translators (SPEC §7.6)
 from smshim.modelparallel.torch.tensor_parallel.nn import (
     DistributedAttentionLayer,
     DistributedEmbedding,
@@ -23,5 +24,5 @@ from smshim.modelparallel.torch.tensor_parallel.nn import (
 __all__ = [
     "DistributedModule", "DistributedLinear", "DistributedEmbedding", "DistributedTransformer",
     "DistributedTransformerLayer", "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
-    "DistributedTransformerLMHead", "FusedLayerNorm",
+    "DistributedTransformerLMHead", "FusedLayerNorm", "huggingface",
 ]

@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from smshim.modelparallel.torch.errors import SMPRuntimeError, SMPValidationError
-from smshim.modelparallel.torch.pipeline.context import ctx
+from smshim.modelparallel.torch.pipeline.context import at_tp_region_depth, ctx
 from smshim.modelparallel.torch.state import state
 
 if TYPE_CHECKING:
@@ -95,7 +95,15 @@ def _run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, *args: A
     # Without grad (evaluation, the partitioning trace) there is nothing to save or recompute.
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return _torch_checkpoint(fn, *args, use_reentrant=False,
+    # The recomputation runs in backward; it must see the tensor-parallel nesting of this call
+    # (a module nested in a distributed module does not gather the TP ranks' batches).
+    depth = ctx.tp_region_depth
+
+    def at_this_depth(*a: Any, **k: Any) -> Any:
+        with at_tp_region_depth(depth):
+            return fn(*a, **k)
+
+    return _torch_checkpoint(at_this_depth, *args, use_reentrant=False,
                              preserve_rng_state=preserve_rng_state, **kwargs)
 
 

@@ -44,26 +44,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from smshim.modelparallel.torch.comm import CommGroup
-from smshim.modelparallel.torch.pipeline.context import ctx as _engine_ctx
+from smshim.modelparallel.torch.pipeline.context import at_tp_region_depth, ctx as _engine_ctx
 from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["create_groups", "set_compute_lock", "current_group", "tp_world", "copy_to_tp",
            "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "tracing", "region",
-           "gathers_batch", "batch_in", "batch_out", "agree"]
+           "gathers_batch", "batch_in", "batch_out", "agree", "region_depth", "at_region_depth"]
 
 # Microbatch index -> this rank's TP process group for that microbatch.
 _mb_groups: Dict[int, Any] = {}
 _compute_lock: Any = None  # the pipeline's ComputeLock, when a pipeline runs on this rank
-_region = threading.local()
 
 
 def create_groups(tp_groups: List[List[int]], my_group: List[int], microbatches: int,
@@ -241,12 +239,20 @@ class region:
     and hands each rank its rows back at exit (nested modules already see the gathered batch)."""
 
     def __enter__(self) -> bool:
-        depth = getattr(_region, "depth", 0)
-        _region.depth = depth + 1
+        depth = _engine_ctx.tp_region_depth
+        _engine_ctx.tp_region_depth = depth + 1
         return depth == 0
 
     def __exit__(self, *exc: Any) -> None:
-        _region.depth -= 1
+        _engine_ctx.tp_region_depth -= 1
+
+
+def region_depth() -> int:
+    """How many distributed modules' forwards this thread is inside."""
+    return _engine_ctx.tp_region_depth
+
+
+at_region_depth = at_tp_region_depth
 
 
 def gathers_batch() -> bool:

@@ -2,11 +2,22 @@
 `smp.tp_register()` / `smp.tp_register_with_module()`, and the replacement itself, done when the
 `DistributedModel` is created (`distribute`).
 
-Marking. A module carries `_smp_tp_mark = (enabled, config)`. Inside `with
+Marking. A module carries `_smp_tp_mark = (enabled, config, created_inside)`. Inside `with
 smp.tensor_parallelism(enabled, **config)`, every module that registers a parameter or a
 submodule is marked (torch's global registration hooks), the innermost context first, and a mark
 is never overwritten by an outer context. `set_tensor_parallelism(module, enabled, **config)`
-marks `module` and everything below it (overwriting).
+marks `module` and everything below it (overwriting; created_inside False).
+
+Hugging Face models SMP supports out of the box (SPEC §7.6). A model of such a class
+(GPT2LMHeadModel, GPTNeoForCausalLM, GPTJForCausalLM, BertForMaskedLM, RobertaForMaskedLM:
+nn/hf_*_lm.py) *created inside* an enabled context becomes smp's distributed transformer
+(`DistributedTransformerLMHead` family) built from its config and holding its weights, at any
+tensor_parallel_degree (whole at 1), and the (smp -> Hugging Face, Hugging Face -> smp)
+state-dict translators are registered in `smp.state.module_manager.translate_functions`, so full
+checkpoints are written in Hugging Face's layout. Marked afterwards by `set_tensor_parallelism`, the
+same model keeps Hugging Face's implementation and layout, and its blocks are split in place (as
+for the classes SMP never replaced, such as GPT-NeoX); so is a model whose config the distributed
+transformer cannot compute exactly.
 
 Replacement (`distribute`, tensor_parallel_degree > 1). Walking the tree from the root, the first
 (outermost) module that is marked enabled and supported is replaced, and nothing below it is
@@ -35,9 +46,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 from torch import nn
 
 from smshim.modelparallel.torch.tensor_parallel import nn as smp_nn
-from smshim.modelparallel.torch.tensor_parallel.nn import hf_bert
-from smshim.modelparallel.torch.tensor_parallel.nn import hf_gpt2
-from smshim.modelparallel.torch.tensor_parallel.nn import hf_gpt_neox
+from smshim.modelparallel.torch.tensor_parallel.nn import (hf_bert, hf_bert_lm, hf_gpt2, hf_gpt2_lm,
+                                                           hf_gpt_neox, hf_gptj_lm, hf_gptneo_lm,
+                                                           hf_layouts)
 from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
@@ -65,7 +76,17 @@ _HF_BLOCKS: List[Tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Option
     (hf_gpt_neox.is_gpt_neox_layer, hf_gpt_neox.distribute_block),
     (hf_bert.is_bert_layer, hf_bert.distribute_block),
 ]
-_contexts: List[Tuple[bool, Dict[str, Any]]] = []
+# Hugging Face models replaced whole by smp's transformer: (is this class, family, build it
+# or None).
+_HF_MODELS: List[Tuple[Callable[[nn.Module], bool], str,
+                       Callable[[nn.Module], Optional[nn.Module]]]] = [
+    (hf_gpt2_lm.is_gpt2_lm, "gpt2", hf_gpt2_lm.replace_model),
+    (hf_bert_lm.is_bert_mlm, "bert", hf_bert_lm.replace_model),
+    (hf_bert_lm.is_roberta_mlm, "roberta", hf_bert_lm.replace_model),
+    (hf_gptneo_lm.is_gptneo_lm, "gptneo", hf_gptneo_lm.replace_model),
+    (hf_gptj_lm.is_gptj_lm, "gptj", hf_gptj_lm.replace_model),
+]
+_contexts: List[Tuple[bool, Dict[str, Any], bool]] = []
 
 
 # Marking ------------------------------------------------------------------------------------
@@ -88,7 +109,7 @@ def _on_module(module: nn.Module, name: str, sub: Any) -> None:
 def tensor_parallelism(enabled: bool = True, **tensor_parallel_config: Any) -> Iterator[None]:
     """Modules created inside are marked for tensor parallelism (or against it, enabled=False);
     they are distributed when the DistributedModel is created."""
-    _contexts.append((bool(enabled), dict(tensor_parallel_config)))
+    _contexts.append((bool(enabled), dict(tensor_parallel_config), True))
     handles = [nn.modules.module.register_module_parameter_registration_hook(_on_param),
                nn.modules.module.register_module_module_registration_hook(_on_module)]
     try:
@@ -106,7 +127,7 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True,
         raise RuntimeError(
             f"smp.set_tensor_parallelism({type(module).__name__}) must be called before "
             "smp.DistributedModel(...) is created: the modules are distributed then")
-    mark = (bool(enabled), dict(tensor_parallel_config))
+    mark = (bool(enabled), dict(tensor_parallel_config), False)
     for m in module.modules():
         m.__dict__[_MARK] = mark
 
@@ -221,6 +242,27 @@ def _convert(m: nn.Module, config: Dict[str, Any]) -> Optional[nn.Module]:
     return None
 
 
+def _replace_hf_model(m: nn.Module, name: str) -> Optional[nn.Module]:
+    """smp's transformer for a supported Hugging Face model (None: keep it), its translators
+    registered for the checkpoints."""
+    for is_model, family, build in _HF_MODELS:
+        if not is_model(m):
+            continue
+        try:
+            new = build(m)
+        except ValueError as e:  # sizes not divisible by tp_size
+            logger.info("%s (%s) kept as Hugging Face's implementation: %s", name or "<root>",
+                        type(m).__name__, e)
+            return None
+        if new is not None:
+            prefix = f"{name}." if name else ""
+            state.module_manager.translate_functions.append((
+                hf_layouts.prefixed(functools.partial(hf_layouts.smp_to_hf, family), prefix),
+                hf_layouts.prefixed(functools.partial(hf_layouts.hf_to_smp, family), prefix)))
+        return new
+    return None
+
+
 def _supported(m: nn.Module) -> bool:
     return (type(m) in _registry or type(m) in (nn.Linear, nn.Embedding)
             or any(is_block(m) for is_block, _ in _HF_BLOCKS))
@@ -242,8 +284,7 @@ def _shares_weights(m: nn.Module, root: nn.Module, occurrences: Dict[int, int]) 
 def distribute(root: nn.Module) -> nn.Module:
     """Replace the outermost marked, supported modules of `root` by their distributed versions
     (see the module docstring); returns the root (itself replaced if it qualifies)."""
-    if state.topology.tp_size == 1:
-        return root
+    tp_size = state.topology.tp_size
     occurrences: Dict[int, int] = {}
     for _, m in root.named_modules(remove_duplicate=False):
         occurrences[id(m)] = occurrences.get(id(m), 0) + 1
@@ -254,7 +295,16 @@ def distribute(root: nn.Module) -> nn.Module:
 
     def consider(m: nn.Module, name: str) -> Optional[nn.Module]:
         mark = m.__dict__.get(_MARK)
-        if not (mark and mark[0] and _supported(m)) or getattr(m, "_smp_tp_done", False):
+        if not (mark and mark[0]) or getattr(m, "_smp_tp_done", False):
+            return None
+        if len(mark) > 2 and mark[2]:
+            new = _replace_hf_model(m, name)
+            if new is not None:
+                new.__dict__["_smp_tp_done"] = True
+                replaced.append(f"{name or '<root>'} ({type(m).__name__} -> "
+                                f"{type(new).__name__})")
+                return new
+        if tp_size == 1 or not _supported(m):  # tp 1: only Hugging Face models are replaced
             return None
         if _shares_weights(m, root, occurrences):
             logger.info("%s (%s) shares parameters with another module: left undistributed",
@@ -284,6 +334,6 @@ def distribute(root: nn.Module) -> nn.Module:
         root = new_root
     else:
         visit(root, "")
-    logger.info("tensor parallelism (tp_size %d) distributed: %s", state.topology.tp_size,
+    logger.info("tensor parallelism (tp_size %d) distributed: %s", tp_size,
                 ", ".join(replaced) or "nothing")
     return root

@@ -104,6 +104,10 @@ class DistributedAttentionLayer(DistributedModule):
             self.pre_layernorm_module = _layernorm(hidden_size, layernorm_epsilon)
         if post_layernorm:
             self.layernorm = _layernorm(hidden_size, layernorm_epsilon)
+        # Not constructor arguments (SPEC §7 has none): set by the Hugging Face mappings that
+        # need them (GPT-Neo: unscaled scores, local attention within a window of positions).
+        self.score_scale: Optional[float] = None  # None: 1 / sqrt(attention_head_size)
+        self.local_window: Optional[int] = None
 
     def forward(self, hidden_states: torch.Tensor, *rest: Optional[torch.Tensor]) -> torch.Tensor:
         """forward(hidden_states, attention_mask) or, with cross_attention,
@@ -127,9 +131,13 @@ class DistributedAttentionLayer(DistributedModule):
             return t.view(t.shape[0], t.shape[1], self.local_heads, self.head_size).transpose(1, 2)
 
         q, k, v = heads(self.query(xc)), heads(self.key(kv)), heads(self.value(kv))
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = (scores / math.sqrt(self.head_size) if self.score_scale is None
+                  else scores * self.score_scale)
         if self.causal_mask_size is not None and cross is None:
             causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            if self.local_window is not None:  # only the last local_window positions
+                causal = causal & ~causal.tril(-self.local_window)
             scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
         if mask is not None:
             scores = scores + mask
@@ -271,8 +279,10 @@ class DistributedTransformer(DistributedModule):
         self.both_layernorms = pre_layernorm and post_layernorm
         if self.both_layernorms:
             self.input_layernorm = _layernorm(hidden_size, layernorm_epsilon)
-        self.seq_layers = nn.ModuleList(DistributedTransformerLayer(**kwargs)
-                                        for _ in range(num_layers))
+        # An nn.Sequential (each layer maps the tuple to the tuple), so that scripts can hand it
+        # to smp.set_activation_checkpointing(..., strategy=) as SMP's examples do.
+        self.seq_layers = nn.Sequential(*(DistributedTransformerLayer(**kwargs)
+                                          for _ in range(num_layers)))
         if self.both_layernorms:
             self.output_layernorm = _layernorm(hidden_size, layernorm_epsilon)
 
@@ -284,10 +294,7 @@ class DistributedTransformer(DistributedModule):
     def _local(self, hidden: torch.Tensor, *rest: Optional[torch.Tensor]) -> torch.Tensor:
         if self.both_layernorms:
             hidden = self.input_layernorm(hidden)
-        state = (hidden,) + rest
-        for layer in self.seq_layers:
-            state = layer(state)
-        hidden = state[0]
+        hidden = self.seq_layers((hidden,) + rest)[0]
         return self.output_layernorm(hidden) if self.both_layernorms else hidden
 
 
