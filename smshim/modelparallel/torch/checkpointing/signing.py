@@ -175,7 +175,7 @@ class _HashingWriter:
     def write(self, data: Any) -> int:
         data = bytes(data)
         self._mac.update(data)
-        self.tail = (self.tail + data)[-_EOCD_LEN:]
+        self.tail = (self.tail + data[-_EOCD_LEN:])[-_EOCD_LEN:]
         return self._fh.write(data)
 
     def flush(self) -> None:
