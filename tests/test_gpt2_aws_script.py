@@ -200,7 +200,7 @@ def _assert_equal_models(got, want, where: str) -> None:
 # The launches ------------------------------------------------------------------------------------
 
 PP2_DP2 = dict(pipeline_parallel_degree=2, microbatches=2, activation_checkpointing=1,
-               checkpoint_freq=2, logits_output="logits.pt")
+               checkpoint_freq=2, logits_output="logits.pt", manual_partition=1)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +218,12 @@ def test_pp2_dp2_hf_blocks_checkpointed_equals_single_process(workspace, first_r
     # The dict step output: logits of both microbatches, concatenated along the batch.
     assert r["logits_shape"] == [BATCH, SEQ, VOCAB], r["logits_shape"]
     assert (workspace / "pp2dp2" / "checkpoints" / "newest").read_text() == "total_steps2"
+    # --manual_partition: smp.set_partition put layer i on partition i; the rest defaults to 0.
+    part = workspace / "pp2dp2" / "checkpoints" / "total_steps2_partial"
+    for pp, layer in ((0, 0), (1, 1)):
+        keys = torch.load(part / f"model_{pp}_0.pt", weights_only=True)
+        blocks = {k.split(".")[2] for k in keys if k.startswith("transformer.h.")}
+        assert blocks == {str(layer)}, (pp, sorted(keys))
     got = _load_full(workspace / "pp2dp2" / "model" / "fullmodel.pt")
     _assert_equal_models(got, _reference(workspace, replicas=2, steps=2), "pp2 x dp2 @ step 2")
 
