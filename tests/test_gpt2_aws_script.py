@@ -300,3 +300,17 @@ def test_pp2_tp2_dp2_bf16_sharded_optimizer_state(workspace):
     assert all(torch.isfinite(torch.tensor(x)) for x in r["losses"]), r["losses"]
     assert (workspace / "pp2tp2dp2" / "checkpoints" / "newest").read_text() == "total_steps3"
     _load_full(workspace / "pp2tp2dp2" / "model" / "fullmodel.pt")
+
+
+def test_sharded_data_parallel_degree_2_fails_clearly_on_every_rank(workspace):
+    # The example's --sharded_data_parallel_degree 2 (sharded data parallelism comes with the
+    # FSDP issue): every rank stops at smp.init with the key named, none hangs.
+    cmd = [_mpirun(), "-n", "2", sys.executable, SCRIPT,
+           *_args(workspace, "sdp", max_steps=1, sharded_data_parallel_degree=2)]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "SMSHIM_TIMEOUT": "60", "SM_HP_MP_PARAMETERS": None}
+    proc = run_command(cmd, timeout=120, env=env, cwd=str(workspace), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert out.count("'sharded_data_parallel_degree'=2") >= 2, out[-3000:]  # both ranks
+    assert "SMPUnsupportedError" in out and "FSDP" in out, out[-3000:]

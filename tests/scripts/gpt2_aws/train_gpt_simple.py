@@ -14,8 +14,15 @@ dynamic_loss_args=...)`, `@smp.step` returning the model's dict output, `clip_ma
 `smp.resume_from_checkpoint` (--load_partial / --load_full).
 
 Added for tests: --init_weights (a Hugging Face GPT-2 state dict to start from, translated with
-translate_hf_state_dict_to_smdistributed_gpt2 for the distributed transformer), and a final
-`RESULT {json}` line on rank 0.
+translate_hf_state_dict_to_smdistributed_gpt2 for the distributed transformer), --synthetic_data N
+(rank 0 writes N json.gz shards of learnable token sequences into an empty --training-dir), and a
+final `RESULT {json}` line on rank 0. On a laptop:
+
+    smshim run -n 4 --channel train=/tmp/gpt2_data --output-dir /tmp/gpt2_out \
+        tests/scripts/gpt2_aws/train_gpt_simple.py --synthetic_data 2 --pipeline_parallel_degree 2 \
+        --microbatches 2 --use_distributed_transformer 0 --max_context_width 64 --vocab_size 256 \
+        --hidden_width 64 --num_layers 4 --num_heads 4 --lr 1e-3 --max_steps 20 \
+        --checkpoint-dir /tmp/gpt2_out/checkpoints --checkpoint_freq 10 --save_final_full_model 1
 """
 
 import argparse
@@ -44,6 +51,21 @@ except ModuleNotFoundError:  # issue 35 part A (smp.nn.huggingface) not there ye
     translate_hf_state_dict_to_smdistributed_gpt2 = translate_state_dict_to_hf_gpt2 = None
 
 logging.getLogger("torch.distributed.distributed_c10d").setLevel(logging.ERROR)
+
+
+def write_synthetic_shards(path, shards, vocab, seq, per_shard=64, seed=0):
+    """Sequences that count up from a random start by a random stride: learnable in few steps."""
+    import gzip
+    import random
+
+    os.makedirs(path, exist_ok=True)
+    rng = random.Random(seed)
+    for s in range(shards):
+        with gzip.open(os.path.join(path, f"train_synthetic_{s:02d}.json.gz"), "wt") as fh:
+            for _ in range(per_shard):
+                start, stride = rng.randrange(vocab), rng.choice([1, 2, 3])
+                ids = [(start + i * stride) % vocab for i in range(seq)]
+                fh.write(json.dumps({"input_ids": ids, "attention_mask": [1] * seq}) + "\n")
 
 
 def get_param_groups_by_weight_decay(module):
@@ -209,6 +231,7 @@ def parse_args():
     add("--min_lr", type=float, default=0.0)
     add("--warmup", type=float, default=0.01)
     add("--init_weights", type=str, default="")
+    add("--synthetic_data", type=int, default=0)
     args, _ = p.parse_known_args()
     return args
 
@@ -242,6 +265,12 @@ def main():
     if args.active_microbatches is not None:
         smp_config["active_microbatches"] = args.active_microbatches
     smp.init(smp_config)
+    if args.synthetic_data and smp.rank() == 0 and not (
+            os.path.isdir(args.training_dir) and any(
+                p.endswith(".json.gz") for p in os.listdir(args.training_dir))):
+        write_synthetic_shards(args.training_dir, args.synthetic_data, args.vocab_size,
+                               args.max_context_width)
+    smp.barrier()
     if smp.rank() == 0:
         print(f"Transformers {transformers.__version__}, smdistributed.modelparallel "
               f"{getattr(smdistributed.modelparallel, '__version__', '?')}, config {smp_config}")
