@@ -239,3 +239,16 @@ def test_signature_roundtrip_in_memory(tmp_path):
     assert torch.load(path, weights_only=True)["x"][0].item() == 1
     bad = signing.read_verified(path, key)
     assert bad.data is None and bad.signed and "changed after" in bad.problem
+
+
+def _key_id(config_home):
+    os.environ["XDG_CONFIG_HOME"] = config_home
+    os.environ.pop(SIGNING_ENV, None)
+    return signing.load_key(create=True).key_id
+
+
+def test_ranks_of_one_node_create_one_key(tmp_path):
+    # Four ranks sharing a home create the key at the same moment: all end up with the same one.
+    ids = run_ranks(_key_id, 4, str(tmp_path / "cfg"), timeout=60)
+    assert len(set(ids)) == 1, ids
+    assert os.listdir(tmp_path / "cfg" / "smshim") == ["checkpoint.key"]  # no temporary left

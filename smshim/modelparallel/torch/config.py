@@ -64,7 +64,7 @@ import logging
 import numbers
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 from smshim.modelparallel.torch.errors import SMPConfigError, SMPUnsupportedError
 
@@ -186,7 +186,7 @@ NO_EFFECT: Tuple[str, ...] = (
 )
 # Which (key, value) pairs this process has logged already: smp.init may run several times
 # (smp.reset, tests), and the message says nothing new the second time.
-_logged_no_effect: set = set()
+_logged_no_effect: Set[Tuple[str, Any]] = set()
 assert set(_SPEC) == set(KEYS), "every SMPConfig field needs a validation entry"
 
 

@@ -127,6 +127,17 @@ def _create_key_file(path: str) -> None:
             logger.info("created the checkpoint signing key %s (mode 0600)", path)
         except FileExistsError:
             pass
+        except OSError:  # no hard links here: create-if-absent directly (readers retry briefly)
+            with open(tmp, encoding="ascii") as src:
+                text = src.read()
+            try:
+                fd2 = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return
+            with os.fdopen(fd2, "w", encoding="ascii") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
