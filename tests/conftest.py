@@ -8,6 +8,13 @@ import os
 # the default threshold itself.
 os.environ.setdefault("SMSHIM_FUSED_WGRAD_MIN_NUMEL", "0")
 
+# Checkpoints are signed with a per-user key created on first save in the user's config
+# directory (checkpointing/signing.py): the tests use a throw-away one, never the developer's.
+if "XDG_CONFIG_HOME" not in os.environ:
+    import tempfile
+
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
+os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
 # ---- `-m "not slow"`: the quick part of the suite (single- and 2-process tests) ------------------
 # Slow: tests that start more than 2 processes, a launcher (mpirun, torchrun, `smshim run`), an

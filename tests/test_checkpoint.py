@@ -274,9 +274,12 @@ def _job_crafted(d):
     model = smp.DistributedModel(make_model("net"))
     smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
     marker = os.path.join(d, "code_ran")
-    smp.save({"weights": torch.ones(2), "payload": _RunsCode(marker)}, os.path.join(d, "f.pt"),
-             partial=False)
-    smp.save_checkpoint(d, "t", model=model, optimizer=None, user_content=_RunsCode(marker))
+    # Files smshim did not write (smshim's own files are signed and trusted: see
+    # test_checkpoint_signing.py): a plain torch.save, and a checkpoint whose user_content was
+    # replaced by one.
+    torch.save({"weights": torch.ones(2), "payload": _RunsCode(marker)}, os.path.join(d, "f.pt"))
+    smp.save_checkpoint(d, "t", model=model, optimizer=None, user_content={"step": 1})
+    torch.save(_RunsCode(marker), os.path.join(d, "t_partial", "user_content.pt"))
     out = {}
     for what, load in (("load", lambda **kw: smp.load(os.path.join(d, "f.pt"), partial=False, **kw)),
                        ("resume", lambda **kw: smp.resume_from_checkpoint(d, load_optimizer=False,

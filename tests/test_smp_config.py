@@ -54,11 +54,20 @@ BAD = [
     ("mp-fp16-bf16-env", {"partitions": 2, "fp16": True}, '{"bf16": true}', SMPConfigError, ["'fp16'", "'bf16'", ENV]),
     ("mp-fp16-params", {"partitions": 2, "fp16_params": True}, None, SMPConfigError, ["'fp16_params'", "'fp16'"]),
     ("dep-shard-ddp", {"partitions": 2, "shard_optimizer_state": True}, None, SMPConfigError, ["'shard_optimizer_state'", "'ddp'"]),
-    ("adv-env", {"ddp": True}, '{"offload_activations": true}', SMPUnsupportedError, ["'offload_activations'", ENV]),
+    ("adv-env", {"ddp": True}, '{"sharded_data_parallel_degree": 2}', SMPUnsupportedError, ["'sharded_data_parallel_degree'", ENV]),
     ("adv-horovod", {"partitions": 2, "horovod": True}, None, SMPUnsupportedError, ["'horovod'"]),
-    ("adv-offload", {"ddp": True, "offload_activations": True}, None, SMPUnsupportedError, ["'offload_activations'"]),
-    ("adv-delayed", {"ddp": True, "delayed_parameter_initialization": True}, None, SMPUnsupportedError, ["'delayed_parameter_initialization'"]),
-    ("adv-sdp", {"ddp": True, "sharded_data_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'"]),
+    ("adv-sdp", {"ddp": True, "sharded_data_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'", "FSDP"]),
+    # The no-effect knobs are still validated (issue 35).
+    ("type-offload", {"ddp": True, "offload_activations": 1}, None, SMPConfigError, ["'offload_activations'", "bool"]),
+    ("type-delayed", {"ddp": True, "delayed_parameter_initialization": "yes"}, None, SMPConfigError, ["'delayed_parameter_initialization'", "bool"]),
+    ("type-fast-mode", {"ddp": True, "fast_mode": 0}, None, SMPConfigError, ["'fast_mode'", "bool"]),
+    ("type-static-mode-env", {"ddp": True}, '{"static_mode": "false"}', SMPConfigError, ["'static_mode'", ENV]),
+    ("range-sdp-bucket", {"ddp": True, "sdp_reduce_bucket_size": 0}, None, SMPConfigError, ["'sdp_reduce_bucket_size'", ">= 1"]),
+    ("type-sdp-bucket", {"ddp": True, "sdp_reduce_bucket_size": 2.5}, None, SMPConfigError, ["'sdp_reduce_bucket_size'", "float"]),
+    ("range-sdp-persist", {"ddp": True, "sdp_param_persistence_threshold": -1}, None, SMPConfigError, ["'sdp_param_persistence_threshold'"]),
+    ("range-sdp-clip", {"ddp": True, "sdp_gradient_clipping": -0.5}, None, SMPConfigError, ["'sdp_gradient_clipping'", ">= 0"]),
+    ("type-sdp-allgather", {"ddp": True, "sdp_hierarchical_allgather": "true"}, None, SMPConfigError, ["'sdp_hierarchical_allgather'", "bool"]),
+    ("range-sdp-degree", {"ddp": True, "sharded_data_parallel_degree": 0}, None, SMPConfigError, ["'sharded_data_parallel_degree'", ">= 1"]),
 ]
 assert len(BAD) >= 15
 
@@ -157,6 +166,44 @@ def test_accepted_adv_values():
     assert cfg.prescaled_batch and cfg.skip_tracing and not cfg.contiguous
     assert cfg.tensor_parallel_seed == 7 and cfg.activation_loading_horizon == 8
     assert cfg.placement_strategy == "TPD" and cfg.deterministic_server
+
+
+# Every key AWS's GPT-2 example (train_gpt_simple.py) passes to smp.init, with its CLI defaults.
+AWS_GPT2_CONFIG = {
+    "ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "microbatches": 1,
+    "shard_optimizer_state": False, "prescaled_batch": True, "fp16": False, "bf16": False,
+    "offload_activations": False, "delayed_parameter_initialization": False, "optimize": "speed",
+    "placement_strategy": "cluster", "activation_loading_horizon": 4, "skip_tracing": False,
+    "auto_partition": True, "default_partition": 0, "static_mode": False, "fast_mode": False,
+    "sharded_data_parallel_degree": 1,
+}
+
+
+def test_every_smp_v1_key_is_accepted(caplog):
+    import logging
+
+    from smshim.modelparallel.torch import config as config_mod
+
+    on = dict(AWS_GPT2_CONFIG, offload_activations=True, delayed_parameter_initialization=True,
+              skip_tracing=True, static_mode=True, fast_mode=True, activation_loading_horizon=2,
+              active_microbatches=1, sdp_reduce_bucket_size=5e8, sdp_param_persistence_threshold=1e6,
+              sdp_max_live_parameters=int(1e9), sdp_hierarchical_allgather=False,
+              sdp_gradient_clipping=0.5, contiguous=True, tensor_parallel_seed=3,
+              deterministic_server=False, memory_weight=0.2, fp16_params=False, horovod=False,
+              pipeline="interleaved", ddp_dist_backend="auto")
+    config_mod._logged_no_effect.clear()
+    with caplog.at_level(logging.INFO, logger=config_mod.__name__):
+        cfg = resolve_config(on, 2, env={})
+        resolve_config(on, 2, env={})  # the same values again: not logged again
+    assert cfg.fast_mode and cfg.static_mode and cfg.offload_activations and cfg.skip_tracing
+    assert cfg.sdp_reduce_bucket_size == 500_000_000 and isinstance(cfg.sdp_reduce_bucket_size, int)
+    assert cfg.sdp_param_persistence_threshold == 1_000_000 and not cfg.sdp_hierarchical_allgather
+    assert cfg.activation_loading_horizon == 2 and cfg.sdp_gradient_clipping == 0.5
+    lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for key in config_mod.NO_EFFECT:
+        assert f"{key}=" in lines[0], (key, lines[0])
+    assert resolve_config(AWS_GPT2_CONFIG, 4, env={}).ddp
 
 
 def test_world_size_errors_name_the_numbers():

@@ -37,14 +37,23 @@ TP ranks of a group hold different batches that the distributed modules gather; 
 the same batch (with tp = 1 it changes nothing, since rdp == dp). Rejected with
 SMPUnsupportedError (a NotImplementedError) naming the key when set to a non-default value,
 because accepting them would silently change the meaning of training:
-  sharded_data_parallel_degree > 1, horovod, offload_activations,
-  delayed_parameter_initialization.
+  sharded_data_parallel_degree > 1 (sharded data parallelism comes with the FSDP issue),
+  horovod.
 Accepted with any valid value, because they cannot change results here:
-  skip_tracing (a partitioning-cost hint; any partition is correct), contiguous (our partitions
-  are always contiguous, which is one valid outcome of either setting), tensor_parallel_seed (smp.nn
-  shards are cut from a full initialisation drawn from torch's RNG, the same on ranks seeded
-  alike), activation_loading_horizon (only used with
-  offload_activations, which is rejected).
+  contiguous (our partitions are always contiguous, which is one valid outcome of either
+  setting), tensor_parallel_seed (smp.nn shards are cut from a full initialisation drawn from
+  torch's RNG, the same on ranks seeded alike).
+Accepted and logged once (INFO) as having no effect, because they only tune the speed or memory
+of SageMaker's own engine (`NO_EFFECT`); their types and ranges are still validated:
+  fast_mode, static_mode (SMP >= 1.10 execution-mode hints), skip_tracing (a partitioning-cost
+  hint; any partition is correct), offload_activations and activation_loading_horizon
+  (activations kept on the device instead of offloaded to host memory: the same values),
+  delayed_parameter_initialization (parameters are created where the module is built; the values
+  come from the same RNG draws), and the sharded-data-parallel tuning keys sdp_reduce_bucket_size,
+  sdp_param_persistence_threshold, sdp_max_live_parameters, sdp_hierarchical_allgather,
+  sdp_gradient_clipping (only read with sharded_data_parallel_degree > 1, which is rejected).
+The "count" keys (sdp sizes) are documented with defaults such as 5e8, so an integral float (as
+Python and JSON write 5e8) is accepted and stored as an int.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ import logging
 import numbers
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 from smshim.modelparallel.torch.errors import SMPConfigError, SMPUnsupportedError
 
@@ -104,6 +113,13 @@ class SMPConfig:
     tensor_parallel_seed: int = 0
     contiguous: bool = True
     fp16_params: bool = False
+    fast_mode: bool = False
+    static_mode: bool = False
+    sdp_reduce_bucket_size: int = 500_000_000
+    sdp_param_persistence_threshold: int = 1_000_000
+    sdp_max_live_parameters: int = 1_000_000_000
+    sdp_hierarchical_allgather: bool = True
+    sdp_gradient_clipping: float = 1.0
 
     @property
     def partitions(self) -> int:
@@ -142,17 +158,35 @@ _SPEC: Dict[str, Tuple[str, str]] = {
     "tensor_parallel_seed": ("int", "an int >= 0"),
     "contiguous": ("bool", "a bool"),
     "fp16_params": ("bool", "a bool"),
+    "fast_mode": ("bool", "a bool"),
+    "static_mode": ("bool", "a bool"),
+    "sdp_reduce_bucket_size": ("count", "an int >= 1 (e.g. 5e8)"),
+    "sdp_param_persistence_threshold": ("count", "an int >= 0 (e.g. 1e6)"),
+    "sdp_max_live_parameters": ("count", "an int >= 1 (e.g. 1e9)"),
+    "sdp_hierarchical_allgather": ("bool", "a bool"),
+    "sdp_gradient_clipping": ("float", "a number >= 0"),
 }
 _CHOICES = {"pipeline": PIPELINES, "optimize": OPTIMIZE, "ddp_dist_backend": DDP_BACKENDS}
 _NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
 
 # Adv keys rejected when not at their default: key -> what it would need.
 _UNSUPPORTED = {
-    "sharded_data_parallel_degree": "sharded data parallelism",
+    "sharded_data_parallel_degree": "sharded data parallelism (planned with the FSDP issue; "
+                                    "until then use shard_optimizer_state with ddp)",
     "horovod": "Horovod as the data-parallel engine (use \"ddp\": True)",
-    "offload_activations": "activation offloading",
-    "delayed_parameter_initialization": "delayed parameter initialization",
 }
+
+# Knobs of SageMaker's own engine that only tune its speed or memory: accepted, validated, and
+# logged once per process as having no effect here (see the module docstring).
+NO_EFFECT: Tuple[str, ...] = (
+    "fast_mode", "static_mode", "skip_tracing", "offload_activations",
+    "activation_loading_horizon", "delayed_parameter_initialization", "sdp_reduce_bucket_size",
+    "sdp_param_persistence_threshold", "sdp_max_live_parameters", "sdp_hierarchical_allgather",
+    "sdp_gradient_clipping",
+)
+# Which (key, value) pairs this process has logged already: smp.init may run several times
+# (smp.reset, tests), and the message says nothing new the second time.
+_logged_no_effect: Set[Tuple[str, Any]] = set()
 assert set(_SPEC) == set(KEYS), "every SMPConfig field needs a validation entry"
 
 
@@ -198,6 +232,11 @@ def _check_type(key: str, value: Any, source: str) -> Any:
             raise _fail(key, value, f"{allowed}, true or false (got a {type(value).__name__})",
                         source)
         return value
+    if kind == "count":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+                not isinstance(value, numbers.Integral) and not float(value).is_integer()):
+            raise _fail(key, value, f"{allowed} (got a {type(value).__name__})", source)
+        return int(value)
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise _fail(key, value, f"{allowed} (got a {type(value).__name__})", source)
@@ -281,6 +320,12 @@ def _check_ranges(v: Dict[str, Any], src: Dict[str, str]) -> None:
                 "sharded_data_parallel_degree", "activation_loading_horizon"):
         at_least(key, 1)
     at_least("tensor_parallel_seed", 0)
+    for key in ("sdp_reduce_bucket_size", "sdp_max_live_parameters"):
+        at_least(key, 1)
+    at_least("sdp_param_persistence_threshold", 0)
+    if v["sdp_gradient_clipping"] < 0:
+        raise _fail("sdp_gradient_clipping", v["sdp_gradient_clipping"],
+                    _SPEC["sdp_gradient_clipping"][1], src.get("sdp_gradient_clipping", ""))
     pp = v["pipeline_parallel_degree"]
     if not 0 <= v["default_partition"] < pp:
         raise _fail("default_partition", v["default_partition"],
@@ -317,6 +362,18 @@ def _check_mixed_precision_and_sharding(v: Dict[str, Any], src: Dict[str, str]) 
             f"smp config: 'shard_optimizer_state'=True{_where(src.get('shard_optimizer_state', ''))}"
             " needs 'ddp'=True (the optimizer state is split over the data-parallel replicas); "
             "set \"ddp\": true or remove 'shard_optimizer_state'")
+
+
+def _log_no_effect(given: Mapping[str, Any], src: Mapping[str, str]) -> None:
+    """One INFO line naming the speed/memory knobs given that change nothing here."""
+    new = [(k, given[k]) for k in NO_EFFECT if k in given and (k, given[k]) not in _logged_no_effect]
+    if not new:
+        return
+    _logged_no_effect.update(new)
+    logger.info(
+        "smp config: %s only tune the speed or memory of SageMaker's own engine and have no "
+        "effect in smshim (accepted and validated; training results are the same)",
+        ", ".join(f"{k}={val!r}{_where(src.get(k, ''))}" for k, val in new))
 
 
 def _master_port(env: Mapping[str, str]) -> Optional[int]:
@@ -388,6 +445,8 @@ def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1
                 f"smshim ({what} is not implemented); remove {key!r} or set it to "
                 f"{getattr(defaults, key)!r}"
             )
+
+    _log_no_effect(given, src)
 
     # World size.
     pp, tp = v["pipeline_parallel_degree"], v["tensor_parallel_degree"]

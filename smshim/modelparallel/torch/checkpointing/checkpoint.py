@@ -24,18 +24,23 @@ checkpoint. A failure on any rank is reported on every rank instead of leaving t
 Partial checkpoints load only at the pp degree (and partition) they were saved with; full ones at
 any degree, and into a plain module.
 
-Loading never runs code from a file unless asked to: everything is read with
-`torch.load(weights_only=True)` (tensors, containers, numbers, strings). User content (what
-`smp.save` / `user_content` were given) may be any picklable object, and full unpickling can
-execute arbitrary code from the file, so it is used only on explicit opt-in: `weights_only=False`
+Loading never runs code from a file smshim did not write unless asked to: everything is read
+with `torch.load(weights_only=True)` (tensors, containers, numbers, strings) first. User content
+(what `smp.save` / `user_content` were given) may be any picklable object, and full unpickling can
+execute arbitrary code from the file. So every file smshim writes is signed (HMAC-SHA256 with a
+per-user or cluster-wide key, checkpointing/signing.py), and a file whose signature verifies is
+unpickled in full: a script's own checkpoints (numpy scalars, a transformers config in
+user_content) resume with no switch. Any other file needs explicit opt-in: `weights_only=False`
 to `smp.load` / `smp.resume_from_checkpoint`, or SMSHIM_ALLOW_PICKLE=1 for the whole process.
-Without it such a file raises `UnsafeCheckpointError` naming the file and both switches.
+Without it such a file raises `UnsafeCheckpointError` naming the file and both switches (and why
+its signature, if it has one, did not verify). `weights_only=True` never unpickles in full.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import logging
 import os
 import pickle
@@ -49,6 +54,7 @@ from smshim.modelparallel.torch.comm import CommGroup, allgather
 from smshim.modelparallel.torch.errors import SMPRuntimeError, SMPValidationError, UnsafeCheckpointError
 from smshim.modelparallel.torch.checkpointing.optimizer_sharding import SHARD_DP_SIZE_KEY, merge_shards
 from smshim.modelparallel.torch.state import require_init, state
+from smshim.modelparallel.torch.checkpointing import signing
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +100,20 @@ def _atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
 
 def _torch_writer(obj: Any, pickle_module: Any = pickle,
                   pickle_protocol: int = 2) -> Callable[[IO[bytes]], None]:
-    return lambda fh: torch.save(obj, fh, pickle_module=pickle_module,
-                                 pickle_protocol=pickle_protocol)
+    """torch.save of `obj`, signed with this user's (or the cluster's) key (signing.py). The key
+    is looked up now, before any file is opened: a misconfigured key fails the save cleanly."""
+    def write(fh: Any) -> None:
+        torch.save(obj, fh, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+
+    return signing.signing_writer(write, signing.load_key(create=True))
 
 
-def _load_weights(path: str, map_location: Any = None) -> Any:
-    """Files smshim wrote itself from state dicts: tensors and plain values only."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+def _load_weights(path: str, map_location: Any = None,
+                  weights_only: Optional[bool] = None) -> Any:
+    """Model and optimizer files smshim wrote from state dicts: tensors and plain values, read
+    weights-only; anything more (e.g. a numpy scalar a scheduler left in param_groups) loads as
+    user objects do."""
+    return _load_user_object(path, map_location, weights_only)
 
 
 ALLOW_PICKLE_ENV = "SMSHIM_ALLOW_PICKLE"
@@ -129,18 +142,30 @@ def _refused_global(e: Exception) -> str:
 def _load_user_object(path: str, map_location: Any = None,
                       weights_only: Optional[bool] = None) -> Any:
     """An object the user handed to smp.save / save_checkpoint. weights_only first; a file that
-    needs full unpickling (which can execute code) is loaded only on explicit opt-in."""
+    needs full unpickling (which can execute code) is loaded in full only when smshim's signature
+    on it verifies (and weights_only is not True), or on explicit opt-in."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if not _pickle_allowed(weights_only):
-            raise UnsafeCheckpointError(
-                f"{path} holds objects that only full unpickling can load, and unpickling can "
-                f"execute code from the file, so it was not done. If you trust this file, pass "
-                f"weights_only=False (smp.load / smp.resume_from_checkpoint) or set "
-                f"{ALLOW_PICKLE_ENV}=1.{_refused_global(e)}") from None
-        logger.warning("%s: loading with full unpickling (weights_only=False), as opted in", path)
-        return torch.load(path, map_location=map_location, weights_only=False)
+        if _pickle_allowed(weights_only):
+            logger.warning("%s: loading with full unpickling (weights_only=False), as opted in",
+                           path)
+            return torch.load(path, map_location=map_location, weights_only=False)
+        why = ""
+        if weights_only is None:
+            verified = signing.read_verified(path, signing.load_key(create=False))
+            if verified.data is not None:
+                # Unpickled from the very bytes whose signature was checked.
+                logger.debug("%s: smshim signature verified; loading in full", path)
+                return torch.load(io.BytesIO(verified.data), map_location=map_location,
+                                  weights_only=False)
+            if verified.signed:
+                why = f" It was not loaded in full although signed: {verified.problem}."
+        raise UnsafeCheckpointError(
+            f"{path} holds objects that only full unpickling can load, and unpickling can "
+            f"execute code from the file, so it was not done. If you trust this file, pass "
+            f"weights_only=False (smp.load / smp.resume_from_checkpoint) or set "
+            f"{ALLOW_PICKLE_ENV}=1.{_refused_global(e)}{why}") from None
 
 
 # Collective helpers ---------------------------------------------------------------------------
@@ -437,14 +462,14 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
                     f"checkpoint ({os.path.join(path, name)}); load it with partial=False")
             if not os.path.exists(model_file):
                 raise _missing_partial(model_file, os.path.join(directory, "model"), what)
-            msd = _load_weights(model_file, map_location="cpu")
+            msd = _load_weights(model_file, "cpu", weights_only)
             osd = None
             if load_optimizer:
                 if not os.path.exists(opt_file):
                     raise FileNotFoundError(
                         f"{what}: {opt_file} does not exist (the checkpoint was saved without an "
                         "optimizer); pass load_optimizer=False")
-                osd = _load_weights(opt_file, map_location="cpu")
+                osd = _load_weights(opt_file, "cpu", weights_only)
         else:
             model_file = os.path.join(path, name)
             if not os.path.isfile(model_file):
@@ -452,14 +477,14 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
                         if os.path.isdir(os.path.join(path, f"{name}_partial")) else "")
                 raise FileNotFoundError(
                     f"{what}: full checkpoint {model_file} does not exist{hint}")
-            msd = _load_weights(model_file, map_location="cpu")
+            msd = _load_weights(model_file, "cpu", weights_only)
             msd = translate_function(msd) if translate_function is not None \
                 else _translate_from_hf(msd)
             osd = None
             opt_file = os.path.join(path, f"{name}_optimizer.pt")
             if load_optimizer:
                 if os.path.exists(opt_file):
-                    osd = _load_weights(opt_file, map_location="cpu")
+                    osd = _load_weights(opt_file, "cpu", weights_only)
                 else:
                     logger.warning("%s: no optimizer state at %s; only the model is loaded",
                                    what, opt_file)
