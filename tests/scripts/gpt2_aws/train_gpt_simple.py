@@ -178,6 +178,10 @@ def parse_args():
     add("--weight_decay", default=0.01, type=float)
     add("--beta1", default=0.9, type=float)
     add("--beta2", default=0.95, type=float)
+    # Not in AWS's script (torch's default): the equivalence tests raise it, since Adam turns the
+    # rounding noise of a gradient that is mathematically zero (GPT-2's key bias) into lr-sized
+    # steps, whatever the engine.
+    add("--adam_eps", default=1e-8, type=float)
     add("--activation_checkpointing", type=int, default=1)
     add("--logging_freq", type=int, default=1)
     add("--zipped_data", type=int, default=1)
@@ -332,7 +336,7 @@ def main():
     param_groups = get_param_groups_by_weight_decay(m)
     opt_cls = optim.AdamW if args.use_adamw > 0 else optim.Adam
     optimizer = opt_cls(param_groups, betas=(args.beta1, args.beta2), lr=args.lr,
-                        weight_decay=args.weight_decay)
+                        weight_decay=args.weight_decay, eps=args.adam_eps)
 
     if args.activation_checkpointing:
         if args.use_distributed_transformer or smp.tp_size() > 1:
