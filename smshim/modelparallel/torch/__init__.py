@@ -169,7 +169,8 @@ def init(config: Optional[Mapping[str, Any]] = None) -> None:
             return
         info = _runtime.detect_launch()
         world = dist.get_world_size() if dist.is_initialized() else info.world_size
-        cfg = resolve_config(config, world)
+        cfg = resolve_config(config, world,
+                             launcher=None if dist.is_initialized() else info.launcher)
         backend = _backend(cfg)
         _apply_ddp_port(cfg, info)
         if dist.is_initialized() and backend is not None and dist.get_backend() != backend:
