@@ -124,6 +124,7 @@ class _RollCallFirst(RendezvousHandler):
                  timeout_s: float) -> None:
         self._inner, self._store, self._params, self._timeout_s = inner, store, params, timeout_s
         self._called = False
+        self._rounds = 0
 
     def next_rendezvous(self):  # type: ignore[no-untyped-def]
         if not self._called:
@@ -132,7 +133,14 @@ class _RollCallFirst(RendezvousHandler):
             host = "the host" if self._params.config.get("is_host") else "a node"
             roll_call(self._store, self._params.run_id, self._params.max_nodes,
                       f"{host} of {self._params.max_nodes}", addr, port, self._timeout_s)
-        return self._inner.next_rendezvous()
+        info = self._inner.next_rendezvous()
+        self._rounds += 1
+        # The workers' store keys are prefixed per attempt (smshim._runtime.attempt_id); the
+        # nodes agree on the round, not on their restart counts. The agent passes its own
+        # environment on to the workers it starts next.
+        state = getattr(getattr(self._inner, "_state_holder", None), "state", None)
+        os.environ["SMSHIM_RDZV_ROUND"] = str(getattr(state, "round", self._rounds))
+        return info
 
     def get_backend(self) -> str:
         return C10D

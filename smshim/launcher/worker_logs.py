@@ -24,25 +24,32 @@ _TRACEBACK_START = ("Traceback (most recent call last):",
                     "The above exception was the direct cause of the following exception:")
 
 
+# torch.distributed's excepthook prefixes an uncaught exception's lines with "[rank<N>]: ".
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)
+
+
 class _Tail:
     """Copies one growing file to `dst` line by line, without the tracebacks in it."""
 
     def __init__(self, path: str, dst: TextIO, done: threading.Event) -> None:
         self._path, self._dst, self._done = path, dst, done
-        self._in_traceback = False
+        self._in_traceback = self._after = False
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"tail {path}")
         self.thread.start()
 
     def _keep(self, line: str) -> bool:
-        text = line.rstrip("\n")
+        text = _RANK_PREFIX.sub("", line.rstrip("\n"))
         if text.startswith(_TRACEBACK_START):
-            self._in_traceback = True
+            self._in_traceback, self._after = True, False
             return False
         if self._in_traceback:
             if text == "" or text.startswith((" ", "\t")):
                 return False
-            self._in_traceback = False  # the exception line ends the traceback
+            self._in_traceback, self._after = False, True  # the exception line ends it
             return False
+        if self._after and text.strip() == "":
+            return False  # the blank lines between chained tracebacks
+        self._after = False
         return True
 
     def _run(self) -> None:
@@ -106,6 +113,7 @@ def _last_traceback(text: str) -> Optional[List[str]]:
 
 def describe(stderr_text: str, script: str) -> Tuple[str, Optional[str]]:
     """(the exception line, "<script>:<line>: <code>" of the deepest frame in the script)."""
+    stderr_text = _RANK_PREFIX.sub("", stderr_text)
     tb = _last_traceback(stderr_text)
     if tb is None:
         tail = [line for line in stderr_text.splitlines() if line.strip()]

@@ -135,7 +135,7 @@ def _create_groups(topo: Topology) -> tuple:
         groups[kind] = by_members[tuple(topo.group(kind))]
     # smp.send/broadcast messages live in the job's store under their own prefix; the elastic
     # restart count keeps a restarted job from reading a previous attempt's leftovers.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = _runtime.attempt_id()
     store = dist.PrefixStore(f"smshim/smp/{attempt}/", dist.distributed_c10d._get_default_store())
     return groups, object_group, store
 
