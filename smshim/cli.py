@@ -33,7 +33,7 @@ DESCRIPTION = """\
 Run a training script on N processes per node, as torchrun does, with the environment a
 SageMaker training container gives it. A script written for SageMaker (smdistributed.dataparallel,
 smdistributed.modelparallel, torch.sagemaker, plain DDP) runs unchanged: pass the estimator's
-`distribution` and `hyperparameters` as they are."""
+distribution and hyperparameters as they are."""
 
 EPILOG = """\
 process count:
@@ -59,7 +59,7 @@ environment variables:
   SMSHIM_RUN_ID       the job's run id (what --run-id sets)
   SMSHIM_TIMEOUT      seconds every collective and wait may take (default 1800)
   SMSHIM_LOG_LEVEL    smshim's log level (default WARNING)
-  SMSHIM_ALIAS        auto | force | 0: the `smdistributed` import alias
+  SMSHIM_ALIAS        auto | force | 0: the smdistributed import alias
   SMP_MANUAL_INIT=1   smp.init() takes the script's config instead of SM_HP_MP_PARAMETERS'
   SM_HP_MP_PARAMETERS the smp config as JSON (set by --distribution)
 
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="smshim", formatter_class=fmt,
         description="smshim: run SageMaker distributed-training scripts (smdistributed, "
                     "torch.sagemaker) on plain torch.distributed.",
-        epilog="Run `smshim run --help` for the launcher's options and examples.")
+        epilog="Run 'smshim run --help' for the launcher's options and examples.")
     p.add_argument("--version", action="version", version=f"smshim {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     r = sub.add_parser("run", help="run a training script on several processes",
@@ -96,11 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rdzv-timeout", type=int, default=900, metavar="SECONDS",
                    help="how long a node waits for the others before failing (default 900)")
     r.add_argument("--distribution", default=None, metavar="DIST",
-                   help="a SageMaker estimator's `distribution`: JSON, a Python dict literal "
+                   help="a SageMaker estimator's distribution: JSON, a Python dict literal "
                         "(True, single quotes) or @file.json. Kinds: smdistributed (+ mpi), "
                         "torch_distributed, pytorchddp, pytorchxla")
     r.add_argument("--hyperparameters", default=None, metavar="HPS",
-                   help="a SageMaker estimator's `hyperparameters` (JSON, Python dict or "
+                   help="a SageMaker estimator's hyperparameters (JSON, Python dict or "
                         "@file.json): each reaches the script as --name value and SM_HP_<NAME>")
     r.add_argument("--channel", action="append", default=[], metavar="NAME=PATH",
                    help="a data channel: sets SM_CHANNEL_<NAME> (repeatable)")
