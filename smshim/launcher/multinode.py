@@ -16,6 +16,7 @@ rendezvous, for --max-restarts).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any, Mapping, Optional
 
@@ -83,6 +84,20 @@ def _unreachable(node: str, addr: str, port: int, nnodes: int, timeout_s: float,
         f"the address and that the port is reachable ({first})")
 
 
+def wait_reachable(node: str, addr: str, port: int, nnodes: int, timeout_s: float) -> None:
+    """Wait until node 0's rendezvous port accepts connections, else say whom to start. (Checked
+    here, before torch's TCPStore client, whose C++ retries log a stack dump per attempt.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() + 0.5 > deadline:
+                raise _unreachable(node, addr, port, nnodes, timeout_s, e) from None
+            time.sleep(0.5)
+
+
 class _StaticHandler(StaticTCPRendezvous):
     """torch's static rendezvous, its store opened without blocking, then the roll call."""
 
@@ -93,6 +108,8 @@ class _StaticHandler(StaticTCPRendezvous):
         if self._store is None:
             node = f"node {self.rank} of {self.world_size}"
             tmo = self.timeout.total_seconds()
+            if self.rank != 0:
+                wait_reachable(node, self.master_addr, self.master_port, self.world_size, tmo)
             try:
                 self._store = TCPStore(self.master_addr, self.master_port, self.world_size,
                                        self.rank == 0, self.timeout, multi_tenant=True,
@@ -171,9 +188,12 @@ def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
 
     timeout_s = float(params.get_as_int("join_timeout", 900) or 900)
     addr, port = _endpoint(params)
+    if not params.config.get("is_host"):
+        wait_reachable(f"a node of {params.max_nodes}", addr, port, params.max_nodes, timeout_s)
     try:
         backend, store = create_backend(params)
-    except (RuntimeError, OSError) as e:
+    except (RendezvousConnectionError, RuntimeError, OSError) as e:
+        e = e.__cause__ or e  # torch's wrapper says "see inner exception"
         raise _unreachable(f"a node of {params.max_nodes}", addr, port, params.max_nodes,
                            timeout_s, e) from None
     return _RollCallFirst(create_handler(store, backend, params), store, params, timeout_s)
