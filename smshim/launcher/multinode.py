@@ -57,17 +57,25 @@ def roll_call(store: Any, rid: str, nnodes: int, node: str, addr: str, port: int
               timeout_s: float) -> None:
     """Count this node in and wait for all `nnodes`; RendezvousTimeoutError naming who came."""
     mine = f"smshim/roll_call/{rid}"
-    store.add(mine, 1)
-    store.add("smshim/roll_call/any", 1)  # every node of any run id: reveals a run-id mismatch
-    deadline = time.monotonic() + timeout_s
-    while True:
-        came = store.add(mine, 0)
-        if came >= nnodes:
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(_POLL_S)
-    others = store.add("smshim/roll_call/any", 0) - came
+    came = 0
+    try:
+        store.add(mine, 1)
+        store.add("smshim/roll_call/any", 1)  # every node of any run id: reveals a mismatch
+        deadline = time.monotonic() + timeout_s
+        while True:
+            came = store.add(mine, 0)
+            if came >= nnodes:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        others = store.add("smshim/roll_call/any", 0) - came
+    except RuntimeError as e:  # the store went away: node 0 gave up or failed
+        raise RendezvousConnectionError(
+            f"{node}: the rendezvous on {addr}:{port} closed while waiting ({came} of {nnodes} "
+            f"nodes had arrived): node 0 gave up or failed, see its output; "
+            f"{_hint(addr, port, nnodes)} ({str(e).strip().splitlines()[0] if str(e).strip() else e!r})"
+        ) from None
     mismatch = (f"; {others} node(s) came with another run id: give every node the same --run-id"
                 if others > 0 else "")
     raise RendezvousTimeoutError(
