@@ -60,7 +60,7 @@ environment variables:
   SMSHIM_TIMEOUT      seconds every collective and wait may take (default 1800)
   SMSHIM_LOG_LEVEL    smshim's log level (default WARNING)
   SMSHIM_ALIAS        auto | force | 0: the smdistributed import alias
-  SMP_MANUAL_INIT=1   smp.init() takes the script's config instead of SM_HP_MP_PARAMETERS'
+  SMP_MANUAL_INIT=1   importing smp does not initialise it; the script's smp.init(config) does
   SM_HP_MP_PARAMETERS the smp config as JSON (set by --distribution)
 
 more: docs/launching.md"""
