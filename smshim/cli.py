@@ -205,7 +205,7 @@ def prepare(a: argparse.Namespace) -> tuple:
         from smshim.runtime import cpu_mode
 
         os.environ["SMSHIM_CPU"] = "1"  # the workers' start-up hook maps the CUDA calls
-        cpu_mode.warn_once()
+        cpu_mode.warn_once(cuda_available=torch.cuda.is_available())
     hps = container_hyperparameters(dist, hps)
     # The container contract holds for every job: scripts read SM_MODEL_DIR & co. unconditionally.
     model_dir = os.path.abspath(os.path.join(a.output_dir, "model"))

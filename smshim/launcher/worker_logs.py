@@ -83,6 +83,11 @@ class TailingLogsSpecs(DefaultLogsSpecs):
 
     def reify(self, envs):  # type: ignore[no-untyped-def]
         dest = super().reify(envs)
+        if dest.stderrs and self.attempt_dirs:
+            # A restart (--max-restarts): the failure's traceback went to the logs only.
+            print(f"smshim run: a worker failed; restarting the workers. The failed attempt's "
+                  f"logs: {self.attempt_dirs[-1]}/<local rank>/stderr.log", file=sys.stderr,
+                  flush=True)
         if dest.stderrs:
             self.attempt_dirs.append(os.path.dirname(os.path.dirname(next(iter(dest.stderrs.values())))))
         if not self._tee_all:

@@ -51,11 +51,14 @@ def _is_rank0(env=os.environ) -> bool:
     return True
 
 
-def warn_once() -> None:
+def warn_once(cuda_available: bool = False) -> None:
     """The one start-up warning of a job (the launcher, or rank 0 when no launcher gave it)."""
     if os.environ.get(_WARNED_ENV) == "1" or not _is_rank0():
         return
     os.environ[_WARNED_ENV] = "1"
+    if cuda_available:
+        logger.warning("%s=1 is ignored: this machine has CUDA devices, so nothing is mapped", ENV)
+        return
     logger.warning("CPU mode (%s=1): no CUDA here, so these GPU calls run on the CPU: %s. "
                    "torch.cuda.is_available() still returns False; unset %s to turn this off.",
                    ENV, ", ".join(MAPPED), ENV)
@@ -94,7 +97,10 @@ def _map_location(loc: Any) -> Any:
 def _patch(torch: Any) -> None:
     """Apply the mapping to an imported torch (only when it has no CUDA device)."""
     global _installed
-    if _installed or torch.cuda.is_available():
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        warn_once(cuda_available=True)
         return
     _installed = True
     state = {"device": 0}
