@@ -274,8 +274,10 @@ def _report_failure(e, script: str, logs_specs) -> None:
         print(f"smshim run: {line}", file=sys.stderr)
 
 
-def run(a: argparse.Namespace) -> int:
+def run(a: argparse.Namespace, quiet: bool = True) -> int:
     config, entry_args = prepare(a)
+    if quiet:
+        config.logs_specs.exits.install()  # the workers' exit codes, for the restart message
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
@@ -301,5 +303,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         # torch's elastic agent logs every worker's exit and a pointer to its docs; the failure
         # summary says what matters (SMSHIM_LOG_LEVEL=INFO shows them again).
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        quiet = True
+    else:
+        quiet = False
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    raise SystemExit(run(a))
+    raise SystemExit(run(a, quiet))

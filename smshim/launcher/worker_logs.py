@@ -11,6 +11,7 @@ rank, with the script's line that raised, one line for the other ranks, and the 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -70,6 +71,33 @@ class _Tail:
                     self._done.wait(0.1)
 
 
+class WorkerExits(logging.Filter):
+    """Keeps torch's "failed (exitcode: N) local_rank: R ..." records (its multiprocessing
+    logger) for smshim's own restart message, and lets nothing through to the terminal."""
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: List[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("failed (exitcode"):
+            self.failed.append(msg.split(" of binary")[0])
+        return False
+
+    def install(self) -> "WorkerExits":
+        log = logging.getLogger(self.LOGGER)
+        log.setLevel(logging.ERROR)  # records must be made for the filter to see them
+        log.addFilter(self)
+        return self
+
+    def take(self) -> str:
+        out, self.failed[:] = "; ".join(self.failed), []
+        return out
+
+
 class TailingLogsSpecs(DefaultLogsSpecs):
     """torch's DefaultLogsSpecs with stderr redirected to files, tailed to our stderr."""
 
@@ -80,14 +108,15 @@ class TailingLogsSpecs(DefaultLogsSpecs):
         self._done = threading.Event()
         self._tails: List[_Tail] = []
         self.attempt_dirs: List[str] = []
+        self.exits = WorkerExits()
 
     def reify(self, envs):  # type: ignore[no-untyped-def]
         dest = super().reify(envs)
         if dest.stderrs and self.attempt_dirs:
             # A restart (--max-restarts): the failure's traceback went to the logs only.
-            print(f"smshim run: a worker failed; restarting the workers. The failed attempt's "
-                  f"logs: {self.attempt_dirs[-1]}/<local rank>/stderr.log", file=sys.stderr,
-                  flush=True)
+            what = self.exits.take() or "a worker failed"
+            print(f"smshim run: {what}; restarting the workers. The failed attempt's logs: "
+                  f"{self.attempt_dirs[-1]}/<local rank>/stderr.log", file=sys.stderr, flush=True)
         if dest.stderrs:
             self.attempt_dirs.append(os.path.dirname(os.path.dirname(next(iter(dest.stderrs.values())))))
         if not self._tee_all:
