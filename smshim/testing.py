@@ -7,7 +7,8 @@ deadline passes, every process is killed and `RankFailure` is raised carrying th
 traceback; nothing can hang the caller.
 
 `run_command(cmd, timeout)` runs a launcher command line (torchrun, mpirun, smshim run) in its own
-process group and kills the whole group on timeout.
+process group and kills the whole group on timeout; a bare tool name is also looked for next to
+this interpreter (`tool_path`), so an unactivated venv's mpirun is found.
 
 Processes come from a forkserver that has already imported torch (and torch._dynamo, which the
 first optimizer step would import), so each costs a fork instead of a fresh interpreter plus
@@ -20,8 +21,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -140,6 +143,16 @@ def run_ranks(
     return [values[r] for r in range(nprocs)]
 
 
+def tool_path(name: str) -> Optional[str]:
+    """A command-line tool (mpirun, torchrun, smshim): on PATH, else next to this interpreter
+    (a venv's bin/ is not on PATH when the venv is not activated); None if neither."""
+    found = shutil.which(name)
+    if found:
+        return found
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    return local if os.access(local, os.X_OK) else None
+
+
 def run_command(
     cmd: Sequence[str],
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -159,7 +172,10 @@ def run_command(
             full_env.pop(key, None)
         else:
             full_env[key] = value
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = list(cmd)
+    if cmd and os.sep not in cmd[0]:
+        cmd[0] = tool_path(cmd[0]) or cmd[0]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

