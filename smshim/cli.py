@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="where SM_MODEL_DIR (DIR/model) and SM_OUTPUT_DATA_DIR (DIR/output/data) "
                         "point; always set (default ./smshim_output)")
     r.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="per-rank stderr logs (default: DIR of --output-dir + /logs)")
+                   help="where each rank's stderr.log goes (default: <output-dir>/logs)")
     r.add_argument("--tee", action="store_true",
                    help="print every rank's stderr as it is, tracebacks included (default: "
                         "tracebacks go to the log files and a failure prints one summary)")
