@@ -152,3 +152,10 @@ def install() -> None:
 
 
 install()
+
+# CPU mode (smshim/runtime/cpu_mode.py) must be in place before a script's first CUDA call,
+# under every launcher; without SMSHIM_CPU this costs one environment lookup.
+if os.environ.get("SMSHIM_CPU", "").strip().lower() not in ("", "0", "false", "off", "no"):
+    from smshim.runtime import cpu_mode
+
+    cpu_mode.install_import_hook()

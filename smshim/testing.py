@@ -7,7 +7,8 @@ deadline passes, every process is killed and `RankFailure` is raised carrying th
 traceback; nothing can hang the caller.
 
 `run_command(cmd, timeout)` runs a launcher command line (torchrun, mpirun, smshim run) in its own
-process group and kills the whole group on timeout.
+process group and kills the whole group on timeout; a bare tool name is also looked for next to
+this interpreter (`find_executable`), so an unactivated venv's mpirun is found.
 
 Processes come from a forkserver that has already imported torch (and torch._dynamo, which the
 first optimizer step would import), so each costs a fork instead of a fresh interpreter plus

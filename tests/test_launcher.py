@@ -17,7 +17,11 @@ MP_DIST = ('{"smdistributed":{"modelparallel":{"enabled":true,"parameters":{"par
            '"mpi":{"enabled":true,"processes_per_host":2}}')
 
 
-def _launch(tmp_path, *args, check=True, env=None, smshim=("smshim",)):
+# The console script next to this interpreter: the venv need not be on PATH.
+SMSHIM = (os.path.join(os.path.dirname(sys.executable), "smshim"),)
+
+
+def _launch(tmp_path, *args, check=True, env=None, smshim=SMSHIM):
     e = {"DUMP_DIR": str(tmp_path)}
     e.update(env or {})
     return run_command([*smshim, "run", *args], timeout=120, env=e, cwd=str(tmp_path), check=check)
@@ -130,12 +134,13 @@ def test_max_restarts_reaches_the_elastic_agent(monkeypatch):
     assert one.rdzv_backend == "smshim-local" and one.rdzv_endpoint.startswith("127.0.0.1:")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
     assert _config(["-n", "2"], monkeypatch).max_restarts == 0
-    # Several nodes: the c10d rendezvous when restarting (node 0 hosts it), else static.
+    # Several nodes: the c10d rendezvous when restarting (node 0 hosts it), else static (each
+    # preceded by smshim's roll call, smshim/launcher/multinode.py).
     multi = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29400"]
     c10d = _config([*multi, "--node-rank", "1", "--max-restarts", "1"], monkeypatch)
     assert (c10d.rdzv_backend, c10d.rdzv_endpoint, c10d.rdzv_configs["is_host"]) == (
-        "c10d", "10.0.0.1:29400", False)
-    assert _config([*multi, "--node-rank", "1"], monkeypatch).rdzv_backend == "static"
+        "smshim-c10d", "10.0.0.1:29400", False)
+    assert _config([*multi, "--node-rank", "1"], monkeypatch).rdzv_backend == "smshim-static"
 
 
 def test_negative_max_restarts_is_an_error(tmp_path):

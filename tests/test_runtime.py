@@ -8,9 +8,13 @@ import sys
 import pytest
 
 from smshim.runtime import launch as _runtime
-from smshim.testing import find_executable, run_command, run_ranks
+from smshim.testing import run_command, run_ranks
 
 HERE = os.path.dirname(__file__)
+# The venv's mpirun, also when the venv is not activated (its bin/ not on PATH).
+MPIRUN = (os.path.join(os.path.dirname(sys.executable), "mpirun")
+          if os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun"))
+          else shutil.which("mpirun"))
 ALLREDUCE = os.path.join(HERE, "scripts", "dp_allreduce.py")
 
 
@@ -85,9 +89,9 @@ def test_torchrun_launch():
     assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
 
 
-@pytest.mark.skipif(find_executable("mpirun") is None, reason="no mpirun (pip install '.[mpi]')")
+@pytest.mark.skipif(MPIRUN is None, reason="no mpirun (pip install '.[mpi]')")
 def test_mpirun_without_master_addr():
-    r = run_command(["mpirun", "-n", "2", sys.executable, ALLREDUCE], timeout=120, env=NO_LAUNCHER)
+    r = run_command([MPIRUN, "-n", "2", sys.executable, ALLREDUCE], timeout=120, env=NO_LAUNCHER)
     assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
 
 
@@ -132,10 +136,10 @@ def test_single_node_smshim_run_listens_on_loopback_only():
     assert "STORE 127.0.0.1:" in out and "GLOO_SOCKET_IFNAME=lo" in out, out
 
 
-@pytest.mark.skipif(find_executable("mpirun") is None or shutil.which("ss") is None,
+@pytest.mark.skipif(MPIRUN is None or shutil.which("ss") is None,
                     reason="needs mpirun and `ss`")
 def test_single_host_mpirun_store_and_gloo_on_loopback():
-    out = run_command(["mpirun", "-n", "2", sys.executable, LISTENING], timeout=120,
+    out = run_command([MPIRUN, "-n", "2", sys.executable, LISTENING], timeout=120,
                       env=NO_LAUNCHER).stdout
     store = re.search(r"^STORE 127\.0\.0\.1:(\d+) GLOO_SOCKET_IFNAME=lo$", out, re.M)
     assert store, out

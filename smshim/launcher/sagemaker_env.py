@@ -7,6 +7,8 @@ training toolkit would give the entry point. The launcher (smshim/cli.py) applie
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -25,6 +27,16 @@ class Distribution:
     mpi_enabled: bool = False
     processes_per_host: Optional[int] = None
     custom_mpi_options: str = ""
+    # The PyTorch / Hugging Face estimators' torchrun-style launchers (SageMaker starts the
+    # script with torchrun for each; smshim always launches that way).
+    torch_distributed: bool = False
+    pytorchddp: bool = False
+    pytorchxla: bool = False
+
+    @property
+    def smp_v2(self) -> bool:
+        """`torch_distributed` + `smdistributed.modelparallel` is an SMP v2 (torch.sagemaker) job."""
+        return self.modelparallel and self.torch_distributed
 
 
 def _expect(value: Any, kind: type, where: str) -> Any:
@@ -43,16 +55,51 @@ def _check_keys(d: Mapping[str, Any], allowed: set, where: str) -> None:
             )
 
 
-def parse_distribution(raw: Any) -> Distribution:
-    """Validate a distribution given as JSON text or a dict."""
-    if isinstance(raw, str):
+def load_json_arg(raw: str, option: str) -> Any:
+    """An option's value given as JSON, a Python literal (as pasted from a notebook: True,
+    single quotes) or `@path` to a JSON file."""
+    text = raw
+    if raw.startswith("@"):
+        path = raw[1:]
         try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise DistributionError(f"--distribution is not valid JSON: {e}") from None
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise DistributionError(f"{option} {raw}: cannot read {path!r} ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        json_error = e
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        pass
+    raise DistributionError(
+        f"{option} is not valid JSON ({json_error}) nor a Python dict literal; give JSON "
+        f"({option} '{{\"mpi\": {{\"enabled\": true}}}}'), the dict as written in Python "
+        f"(True/False and single quotes are fine) or @path/to/file.json"
+    )
+
+
+_LAUNCHERS = ("torch_distributed", "pytorchddp", "pytorchxla")
+
+
+def _enabled_flag(raw: Mapping[str, Any], name: str) -> bool:
+    sub = _expect(raw[name], dict, name)
+    _check_keys(sub, {"enabled"}, name)
+    return _expect(sub.get("enabled", False), bool, f"{name}.enabled")
+
+
+def parse_distribution(raw: Any) -> Distribution:
+    """Validate a distribution given as JSON text, a Python literal, `@file.json` or a dict."""
+    if isinstance(raw, str):
+        raw = load_json_arg(raw, "--distribution")
     _expect(raw, dict, "<top level>")
-    _check_keys(raw, {"smdistributed", "mpi"}, "distribution")
+    _check_keys(raw, {"smdistributed", "mpi", *_LAUNCHERS}, "distribution")
     out = Distribution()
+    for name in _LAUNCHERS:
+        if name in raw:
+            setattr(out, name, _enabled_flag(raw, name))
     smd = raw.get("smdistributed", {})
     _expect(smd, dict, "smdistributed")
     _check_keys(smd, {"modelparallel", "dataparallel"}, "smdistributed")
@@ -81,23 +128,55 @@ def parse_distribution(raw: Any) -> Distribution:
             raise DistributionError(f"distribution field mpi.processes_per_host must be >= 1, got {pph}")
         out.processes_per_host = pph
     out.custom_mpi_options = _expect(mpi.get("custom_mpi_options", ""), str, "mpi.custom_mpi_options")
-    if out.modelparallel and not out.mpi_enabled:
+    _check_launchers(out)
+    return out
+
+
+def _check_launchers(out: Distribution) -> None:
+    """The combinations the SageMaker SDK accepts (one launcher; smp v1 under MPI, v2 under
+    torch_distributed)."""
+    chosen = [n for n in _LAUNCHERS if getattr(out, n)] + (["mpi"] if out.mpi_enabled else [])
+    if len(chosen) > 1:
         raise DistributionError(
-            "smdistributed.modelparallel needs mpi.enabled=true (SageMaker launches it with MPI); "
-            'add "mpi": {"enabled": true, "processes_per_host": N}'
+            f"distribution enables {' and '.join(chosen)}: each is a launcher, enable one "
+            "(torch_distributed for torchrun, mpi for smdistributed v1)")
+    if out.pytorchddp and (out.modelparallel or out.dataparallel):
+        raise DistributionError(
+            "pytorchddp is native PyTorch DDP and cannot be combined with smdistributed; use "
+            '{"torch_distributed": {"enabled": true}, "smdistributed": {...}} or drop smdistributed')
+    if out.pytorchxla and (out.modelparallel or out.dataparallel):
+        raise DistributionError("pytorchxla (the Training Compiler launcher) cannot be combined "
+                                "with smdistributed; enable one")
+    if out.modelparallel and not out.mpi_enabled and not out.torch_distributed:
+        raise DistributionError(
+            "smdistributed.modelparallel needs a launcher: mpi.enabled=true for SMP v1 "
+            '(add "mpi": {"enabled": true, "processes_per_host": N}) or '
+            'torch_distributed.enabled=true for SMP v2 (add "torch_distributed": {"enabled": true})'
         )
-    if out.modelparallel and out.processes_per_host is None:
+    if out.modelparallel and out.mpi_enabled and out.processes_per_host is None:
         raise DistributionError(
             "smdistributed.modelparallel needs mpi.processes_per_host (processes per host)"
         )
-    return out
+
+
+def check_launcher_available(dist: Distribution) -> None:
+    """What the chosen launcher needs installed (pytorchxla: torch_xla)."""
+    if dist.pytorchxla and importlib.util.find_spec("torch_xla") is None:
+        raise DistributionError(
+            "distribution pytorchxla (SageMaker Training Compiler) needs torch_xla, which is not "
+            "installed; install torch_xla, or launch the same script with torchrun semantics "
+            'without XLA: --distribution \'{"torch_distributed": {"enabled": true}}\' '
+            "(or pytorchddp)")
 
 
 def container_hyperparameters(dist: Distribution, hps: Mapping[str, Any]) -> Dict[str, Any]:
     """The user's hyperparameters plus `mp_parameters`, which the SageMaker SDK adds for model
     parallelism: it reaches the script as SM_HP_MP_PARAMETERS and as `--mp_parameters k=v,...`."""
     out = dict(hps)
-    if dist.modelparallel:
+    if dist.smp_v2:
+        # The SDK's v2 path (SMP._to_mp_hyperparameters) sends the dict as a JSON string.
+        out["mp_parameters"] = json.dumps(dist.mp_parameters)
+    elif dist.modelparallel:
         out["mp_parameters"] = dict(dist.mp_parameters)
     return out
 
@@ -150,6 +229,9 @@ def job_environment(
             "sagemaker_mpi_num_of_processes_per_host": nproc_per_node,
             "sagemaker_mpi_custom_mpi_options": dist.custom_mpi_options,
             "sagemaker_distributed_dataparallel_enabled": dist.dataparallel,
+            "sagemaker_torch_distributed_enabled": dist.torch_distributed,
+            "sagemaker_pytorch_ddp_enabled": dist.pytorchddp,
+            "sagemaker_pytorch_xla_multi_worker_enabled": dist.pytorchxla,
         }),
         "SM_CHANNELS": json.dumps(sorted(channels)),
     }

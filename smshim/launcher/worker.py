@@ -14,6 +14,11 @@ def main() -> None:
         raise SystemExit("usage: python -m smshim.launcher.worker script [args...]")
     if "LOCAL_RANK" in os.environ:
         os.environ["SMDATAPARALLEL_LOCAL_RANK"] = os.environ["LOCAL_RANK"]
+    if os.environ.get("SMSHIM_CPU") and "smshim._alias" not in sys.modules:
+        # CPU mode is installed by the start-up hook (smshim_alias.pth) in the script's
+        # interpreter; without it (smshim used from a source tree) nothing would be mapped.
+        print("smshim: SMSHIM_CPU is set but smshim's start-up hook (smshim_alias.pth) is not "
+              "installed, so CPU mode cannot apply: pip install smshim (or -e .)", file=sys.stderr)
     os.execv(sys.executable, [sys.executable, "-u", *sys.argv[1:]])
 
 

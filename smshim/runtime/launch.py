@@ -202,6 +202,15 @@ def _agent_store() -> bool:
         "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def attempt_id(env: Optional[Mapping[str, str]] = None) -> str:
+    """Which attempt of an elastic job this is, the same on every node: the multi-node
+    rendezvous's round (SMSHIM_RDZV_ROUND, set by smshim/launcher/multinode.py; the nodes' restart
+    counts can differ, as a node restarted for a peer's failure does not count it), else torch's
+    TORCHELASTIC_RESTART_COUNT."""
+    env = os.environ if env is None else env
+    return env.get("SMSHIM_RDZV_ROUND") or env.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
     """Bring up the default process group once; later calls return the same LaunchInfo."""
     info = detect_launch()
@@ -216,7 +225,7 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
         # The elastic agent's store outlives a restart of the workers (torch's c10d rendezvous
         # keeps it): keys of this attempt go under their own prefix, so a restarted group never
         # reads a dead attempt's gloo addresses.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = attempt_id()
         agent = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                               is_master=False, timeout=tmo)
         dist.init_process_group(backend, store=dist.PrefixStore(f"smshim/attempt_{attempt}/", agent),

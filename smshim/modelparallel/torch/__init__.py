@@ -142,7 +142,7 @@ def _create_groups(topo: Topology) -> tuple:
         groups[kind] = by_members[tuple(topo.group(kind))]
     # smp.send/broadcast messages live in the job's store under their own prefix; the elastic
     # restart count keeps a restarted job from reading a previous attempt's leftovers.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = _runtime.attempt_id()
     store = dist.PrefixStore(f"smshim/smp/{attempt}/", dist.distributed_c10d._get_default_store())
     return groups, object_group, store
 
@@ -176,7 +176,8 @@ def init(config: Optional[Mapping[str, Any]] = None) -> None:
             return
         info = _runtime.detect_launch()
         world = dist.get_world_size() if dist.is_initialized() else info.world_size
-        cfg = resolve_config(config, world)
+        cfg = resolve_config(config, world,
+                             launcher=None if dist.is_initialized() else info.launcher)
         backend = _backend(cfg)
         _apply_ddp_port(cfg, info)
         if dist.is_initialized() and backend is not None and dist.get_backend() != backend:

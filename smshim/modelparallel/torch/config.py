@@ -384,12 +384,61 @@ def _master_port(env: Mapping[str, str]) -> Optional[int]:
         return None
 
 
+LAUNCH_HINT = ("`smshim run -n {n} --distribution '...' script.py`, `torchrun --nproc-per-node {n} "
+               "script.py` or `mpirun -n {n} python script.py`")
+
+
+def _provenance(user: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> str:
+    """Where this config came from, for the errors that concern the whole config."""
+    found = []
+    if user:
+        found.append("smp.init's argument")
+    if (env.get(ENV_VAR) or "").strip():
+        found.append(ENV_VAR)
+    if not found:
+        return (f"no smp config found (looked in smp.init's argument and {ENV_VAR}), so every "
+                "key has its default")
+    return "config from " + " and ".join(found)
+
+
+def _check_world_size(v: Dict[str, Any], world_size: Any, provenance: str,
+                      launcher: Optional[str]) -> None:
+    pp, tp = v["pipeline_parallel_degree"], v["tensor_parallel_degree"]
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SMPConfigError(f"smp config: world size {world_size!r} must be an int >= 1")
+    give = (f"give the config: launch with `smshim run --distribution '{{...}}'` (a SageMaker "
+            f"distribution), set {ENV_VAR}='{{\"partitions\": 2, \"ddp\": true}}' or pass "
+            "a dict to smp.init")
+    if launcher == "single" and world_size == 1 and pp * tp > 1:
+        raise SMPConfigError(
+            f"smp config: this process was started without a launcher (no torchrun, MPI or "
+            f"SageMaker variables), so the world size is 1, not divisible by "
+            f"pipeline_parallel_degree {pp} x tensor_parallel_degree {tp} = {pp * tp} "
+            f"({provenance}); launch {pp * tp} processes with " + LAUNCH_HINT.format(n=pp * tp))
+    if world_size % (pp * tp) != 0:
+        raise SMPConfigError(
+            f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
+            f"{pp} x tensor_parallel_degree {tp} = {pp * tp} ({provenance}); launch a multiple "
+            f"of {pp * tp} processes or change 'pipeline_parallel_degree'"
+            + ("; " + give if provenance.startswith("no smp config") else "")
+        )
+    if world_size > pp * tp and not v["ddp"]:
+        raise SMPConfigError(
+            f"smp config: world size {world_size} > pipeline_parallel_degree {pp} x "
+            f"tensor_parallel_degree {tp} = {pp * tp} needs data parallelism: set \"ddp\": true "
+            f"(or launch {pp * tp} processes) ({provenance})"
+            + ("; " + give if provenance.startswith("no smp config") else "")
+        )
+
+
 def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1,
-                   env: Mapping[str, str] = os.environ) -> SMPConfig:
+                   env: Mapping[str, str] = os.environ, launcher: Optional[str] = None) -> SMPConfig:
     """Merge `user` with SM_HP_MP_PARAMETERS from `env` (env wins), validate, fill defaults.
 
     Raises SMPConfigError (a ValueError) for an invalid configuration and SMPUnsupportedError
-    (a NotImplementedError) for an Adv feature smshim does not implement.
+    (a NotImplementedError) for an Adv feature smshim does not implement. Errors about the whole
+    config say where it came from (or that none was found); `launcher` ("single": no launcher
+    detected) lets a one-process start say that a launcher is missing.
     """
     merged = _merge(user, env)
     _unknown(merged)
@@ -448,20 +497,5 @@ def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1
 
     _log_no_effect(given, src)
 
-    # World size.
-    pp, tp = v["pipeline_parallel_degree"], v["tensor_parallel_degree"]
-    if not isinstance(world_size, int) or world_size < 1:
-        raise SMPConfigError(f"smp config: world size {world_size!r} must be an int >= 1")
-    if world_size % (pp * tp) != 0:
-        raise SMPConfigError(
-            f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
-            f"{pp} x tensor_parallel_degree {tp} = {pp * tp}; launch a multiple of {pp * tp} "
-            "processes or change 'pipeline_parallel_degree'"
-        )
-    if world_size > pp * tp and not v["ddp"]:
-        raise SMPConfigError(
-            f"smp config: world size {world_size} > pipeline_parallel_degree {pp} x "
-            f"tensor_parallel_degree {tp} = {pp * tp} needs data parallelism: set \"ddp\": true "
-            f"(or launch {pp * tp} processes)"
-        )
+    _check_world_size(v, world_size, _provenance(user, env), launcher)
     return SMPConfig(**v)

@@ -7,9 +7,38 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional
 
+import torch
+
 from smshim.modelparallel.torch.errors import SMPRuntimeError
 from smshim.modelparallel.torch.pipeline.microbatch import join_step_outputs, split_step_inputs
 from smshim.modelparallel.torch.state import require_init, state
+from smshim.modelparallel.torch.pipeline.context import ctx
+
+BACKWARD_IN_STEP = (
+    "loss.backward() was called inside an @smp.step function: smp runs the backward pass itself, "
+    "per microbatch and across the pipeline. Call model.backward(loss) instead, where model is "
+    "the smp.DistributedModel")
+_guarded = False
+
+
+def _guard_tensor_backward() -> None:
+    """Make `tensor.backward()` inside a step body an error saying what to call (the most common
+    porting slip; left alone it fails deep in the pipeline with torch's "does not require grad").
+    smp's own backward goes through torch.autograd.backward, which this does not touch; outside a
+    step the wrapper costs one thread-local lookup."""
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    original = torch.Tensor.backward
+
+    @functools.wraps(original)
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        if ctx.in_step:
+            raise SMPRuntimeError(BACKWARD_IN_STEP)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
 
 
 def step(fn: Optional[Callable] = None, *, non_split_inputs: Optional[List[str]] = None,
@@ -25,6 +54,7 @@ def step(fn: Optional[Callable] = None, *, non_split_inputs: Optional[List[str]]
     @functools.wraps(fn)
     def run_step(*args: Any, **kwargs: Any) -> Any:
         require_init("@smp.step")
+        _guard_tensor_backward()
         model = state.model
         if model is None:
             raise SMPRuntimeError("@smp.step needs an smp.DistributedModel: create it before the "
