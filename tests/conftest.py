@@ -26,7 +26,10 @@ import pytest  # noqa: E402
 SLOW_MODULES = {
     "test_examples.py", "test_restart.py", "test_gpt2_aws_style.py", "test_mpi_flavours.py",
     "test_huggingface.py", "test_tensor_parallel_hf.py", "test_random_models.py",
-    "test_smp_topology.py", "test_smddp_backend.py",
+    "test_smp_topology.py", "test_smddp_backend.py", "test_gpt2_aws_script.py",
+    "test_multinode.py", "test_first_hour.py", "test_hf_gpt2_smp.py", "test_tsm_fsdp.py",
+    "test_tsm_checkpoint.py", "test_tsm_delayed.py", "test_tsm_example.py",
+    "test_tsm_transform.py", "test_tsm_transform_api.py",
 }
 SLOW_TESTS = re.compile("|".join([
     r"mpirun", r"torchrun", r"smshim_run", r"launch", r"restart", r"processes",
