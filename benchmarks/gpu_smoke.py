@@ -23,6 +23,9 @@ time / 2m ("per hop", compute included, the same for both systems), and activati
 per second, for smshim and torch.distributed.pipelining's Schedule1F1B (>= 2 GPUs; on one GPU
 torch's stages, which need NCCL between the ranks, cannot run), steps alternated, medians.
 
+`--cpu` runs all of it on the CPU over gloo, the device channel played by its gloo stand-in
+(SMSHIM_DEVICE_CHANNEL=gloo-test): it checks this script on a machine without a GPU.
+
 Exit code: 0 when every check ran passed, or when there is no GPU (nothing is checked; the
 message says so); 1 when a check failed.
 """
@@ -51,17 +54,13 @@ TOL = 1e-4
 D, BATCH, LR = 256, 32, 0.05
 
 
-# --cpu: the same checks on the CPU over gloo (checks this script itself on a machine without a
-# GPU; the device channel is not used there).
+# --cpu: the same checks on the CPU over gloo, the pipeline's device channel played by its gloo
+# stand-in (SMSHIM_DEVICE_CHANNEL=gloo-test): checks this script itself without a GPU.
 CPU_ENV = "GPU_SMOKE_ON_CPU"
 
 
 def _on_cpu() -> bool:
     return os.environ.get(CPU_ENV) == "1"
-
-
-def _backend() -> str:
-    return "gloo" if _on_cpu() else "nccl"
 
 
 def _device() -> torch.device:
@@ -97,7 +96,7 @@ def _pp_rank(m: int, steps: int) -> Dict[str, Any]:
 
     _cuda_setup()
     smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "interleaved",
-              "auto_partition": False, "default_partition": 0, "ddp_dist_backend": _backend()})
+              "auto_partition": False, "default_partition": 0})
     module = make_model(D)
     model = smp.DistributedModel(module)
     for i, block in enumerate(module.blocks):
@@ -132,7 +131,7 @@ def _pp_reference(m: int, steps: int):
         for xs, ys in zip(x.chunk(m), y.chunk(m)):
             loss = model(xs, ys)
             (loss / m).backward()  # smp averages the microbatches' gradients
-            step_loss += float(loss) / m
+            step_loss += float(loss.detach()) / m
         opt.step()
         losses.append(step_loss)
     return _cpu(dict(model.named_parameters())), losses
@@ -150,7 +149,7 @@ def check_pipeline(m: int, steps: int, gpus: int, path_ok) -> str:
         raise AssertionError(f"pipeline differs from one process: params {diff:.2e}, "
                              f"losses {loss_diff:.2e}")
     apart = [r["apart"] for r in results]
-    path = ("NCCL device channel" if all(apart) else "host path (gloo frames)")
+    path = ("device channel" if all(apart) else "host path (gloo frames)")
     if not path_ok(apart):
         raise AssertionError(f"pipeline tensors took the wrong path: {path}, sent apart {apart}")
     return (f"params max diff {diff:.1e}, losses {loss_diff:.1e}; devices "
@@ -177,7 +176,7 @@ def _tp_rank(steps: int) -> Dict[str, Any]:
     import smdistributed.modelparallel.torch as smp
 
     _cuda_setup()
-    smp.init({"tensor_parallel_degree": 2, "microbatches": 2, "ddp_dist_backend": _backend()})
+    smp.init({"tensor_parallel_degree": 2, "microbatches": 2})
     module = _TPNet(dist=True)
     module.load_state_dict(_TPNet(dist=False).state_dict())  # each rank keeps its shard
     model = smp.DistributedModel(module)
@@ -224,7 +223,7 @@ def _dp_rank(steps: int) -> Dict[str, Any]:
     import smdistributed.modelparallel.torch as smp
 
     _cuda_setup()
-    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "ddp_dist_backend": _backend()})
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True})
     model = smp.DistributedModel(make_model(D))
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
@@ -279,7 +278,7 @@ def _hop_rank(d: int, batch: int, m: int, steps: int, with_torch: bool) -> Dict[
     import smdistributed.modelparallel.torch as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "interleaved",
-              "auto_partition": False, "default_partition": 0, "ddp_dist_backend": _backend()})
+              "auto_partition": False, "default_partition": 0})
     device = _device()
     rank = smp.pp_rank()
     module = _Hop(d)
@@ -334,12 +333,20 @@ def _hop_rank(d: int, batch: int, m: int, steps: int, with_torch: bool) -> Dict[
     return {k: statistics.median(v) for k, v in times.items() if v}
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:7.1f} {unit}"
+        n /= 1000
+    return ""
+
+
 def hop_costs(m: int, steps: int, gpus: int) -> List[str]:
     lines = []
     for d, batch in ((16, 8 * m), (256, 32 * m) if _on_cpu() else (4096, 256 * m)):
         got = run_ranks(_hop_rank, 2, d, batch, m, steps, gpus >= 2 or _on_cpu(), timeout=900)
         hop_bytes = (batch // m) * d * 4
-        parts = [f"d={d:5d}, {hop_bytes / 2**20:7.3f} MiB per hop:"]
+        parts = [f"d={d:5d}, {_size(hop_bytes)} per hop:"]
         for name in ("smshim", "torch"):
             t = max(r.get(name, math.nan) for r in got)  # the slower rank's step
             if math.isnan(t):
@@ -347,7 +354,7 @@ def hop_costs(m: int, steps: int, gpus: int) -> List[str]:
                 continue
             hops = 2 * m
             parts.append(f"{name}: {t / hops * 1e3:8.3f} ms/hop, "
-                         f"{hop_bytes * hops / t / 1e9:7.3f} GB/s")
+                         f"{_size(hop_bytes * hops / t)}/s")
         lines.append("  ".join(parts))
     return lines
 
@@ -362,8 +369,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.cpu:
         os.environ[CPU_ENV] = "1"
-        print("gpu_smoke --cpu: the checks on the CPU over gloo (no device channel)")
-        return _run(args, gpus=2, pipeline_path_ok=lambda apart: not any(apart))
+        os.environ["SMSHIM_DEVICE_CHANNEL"] = "gloo-test"
+        print("gpu_smoke --cpu: the checks on the CPU over gloo, the device channel's gloo "
+              "stand-in carrying the pipeline's tensors")
+        return _run(args, gpus=2, pipeline_path_ok=all)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         print("gpu_smoke: no CUDA device on this machine; nothing checked (exit code 0). "
               "The CPU paths are covered by the test suite; run this on a GPU host.")

@@ -3,7 +3,10 @@ for the device channel, the frame they leave, and the same training results with
 channel's groups replaced by gloo (SMSHIM_DEVICE_CHANNEL=gloo-test, a test-only switch)."""
 
 import collections
+import os
 import pickle
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -209,10 +212,16 @@ def test_glue_code_across_three_processes_on_the_device_channel(monkeypatch):
 def test_net_matches_single_process_pp2_on_nccl():
     from tests.test_pipeline import _check
 
-    cfg = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved",
-           "ddp_dist_backend": "nccl"}
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved"}
     results = run_ranks(_train_counting_apart, 2, "net", cfg, 3, 8, timeout=300)
-    _check_on_cpu = [dict(r, params={n: p.cpu() for n, p in r["params"].items()})
-                     for r in results]
-    _check(_check_on_cpu, "net")
+    _check([dict(r, params={n: p.cpu() for n, p in r["params"].items()}) for r in results], "net")
     assert all(r["apart"] > 0 for r in results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPU")
+def test_gpu_smoke_without_a_gpu_says_so_and_exits_0():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_smoke.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout and "nothing checked" in done.stdout
