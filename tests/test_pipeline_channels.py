@@ -23,7 +23,8 @@ from smshim.testing import run_ranks
 
 def _fake_cuda(shape=(2, 3), dtype=torch.float32):
     """Stands for a CUDA tensor on a machine without one: what the transport reads of it."""
-    return types.SimpleNamespace(shape=torch.Size(shape), dtype=dtype, is_cuda=True)
+    shape = torch.Size(shape)
+    return types.SimpleNamespace(shape=shape, dtype=dtype, is_cuda=True, numel=shape.numel)
 
 
 # ---- the choice of path ---------------------------------------------------------------------
@@ -34,6 +35,9 @@ def test_a_cuda_tensor_takes_the_device_path_and_a_cpu_tensor_never_does():
     assert not channels.takes_device_path(torch.ones(3, dtype=torch.bfloat16), everything=False)
     # The gloo stand-in of the tests takes CPU tensors too.
     assert channels.takes_device_path(torch.ones(3), everything=True)
+    # An empty tensor has no bytes to send: it stays in its frame.
+    assert not channels.takes_device_path(_fake_cuda((0, 3)), everything=False)
+    assert not channels.takes_device_path(torch.ones(0), everything=True)
 
 
 def test_a_fake_cuda_tensor_of_torch_takes_the_device_path():

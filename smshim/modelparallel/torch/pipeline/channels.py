@@ -57,8 +57,8 @@ def channel_backend(device_backend: Optional[str], env: Mapping[str, str]) -> Op
 
 def takes_device_path(t: Any, everything: bool) -> bool:
     """Whether tensor `t` travels on the device channel: a CUDA tensor does, a CPU one only
-    under the test stand-in (`everything`)."""
-    return everything or t.is_cuda
+    under the test stand-in (`everything`); an empty one never (nothing to send)."""
+    return (everything or t.is_cuda) and t.numel() > 0
 
 
 def create_pair_groups(ranks: Sequence[int], my_rank: int, backend: str,
