@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from smshim.runtime import devices as _devices
 from smshim.runtime import launch as _runtime
 
 from smshim.modelparallel.torch.pipeline import activation_checkpointing
@@ -29,6 +31,7 @@ from smshim.modelparallel.torch.checkpointing import state_dicts
 from smshim.modelparallel.torch.tensor_parallel import replace as tensor_parallel
 from smshim.modelparallel.torch.tensor_parallel import collectives as tp_comm
 from smshim.modelparallel.torch.tensor_parallel import shard as tp_shard
+from smshim.modelparallel.torch.pipeline import channels
 from smshim.modelparallel.torch.pipeline.pipeline import Pipeline
 from smshim.reducer.grad_reducer import GradReducer
 from smshim.modelparallel.torch.pipeline.context import ctx
@@ -100,15 +103,23 @@ class DistributedModel(nn.Module):
         self._device = _runtime.device()
         self._timeline = _timeline_from_env(topo.rank)
         self._groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+        self._pair_groups: Optional[Dict[Tuple[int, int], dist.ProcessGroup]] = None
         if self._pp_size > 1:
-            # Gloo groups for pipeline messages only (nothing else's tags on them; gloo because
-            # the transport stages tensors through CPU memory), one per direction (see
-            # transport.py). Every rank creates every PP group's, in the same order.
+            # CUDA tensors' own groups (channels.py): NCCL when each rank has a GPU of its own.
+            pair_backend = channels.channel_backend(_devices.device_backend(), os.environ)
+            # Gloo groups for pipeline messages only (nothing else's tags on them; gloo carries
+            # the frames and CPU tensors), one per direction (see transport.py), and the device
+            # channel's pair groups. Every rank creates every PP group's, in the same order.
             for ranks in topo.all_groups(CommGroup.PP_GROUP):
                 gs = tuple(dist.new_group(ranks, timeout=_runtime.timeout(), backend="gloo")
                            for _ in range(2))
+                pairs = (channels.create_pair_groups(ranks, topo.rank, pair_backend,
+                                                     _runtime.timeout())
+                         if pair_backend is not None else None)
                 if topo.rank in ranks:
                     self._groups, self._pp_ranks = gs, list(ranks)
+                    self._pair_groups = pairs
+                    self._pair_backend = pair_backend
         else:
             self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
             module.to(self._device)
@@ -343,7 +354,10 @@ class DistributedModel(nn.Module):
         self._pipeline = Pipeline(
             self.module, assignment, self._pp_ranks, self._pp_rank, self._groups,
             state.cfg.pipeline, state.cfg.active_microbatches, self._timeline,
-            _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server)
+            _runtime.timeout_seconds(), self._device, state.cfg.deterministic_server,
+            None if self._pair_groups is None else channels.DeviceChannel(
+                self._pp_rank, self._pp_ranks, self._pair_groups, self._device,
+                everything=self._pair_backend == "gloo"))
         # Tensor-parallel collectives give the lock up while they wait (collectives.py says why).
         tp_comm.set_compute_lock(self._pipeline.lock)
         activation_checkpointing.serve_functions(self, self._pipeline.server)

@@ -9,7 +9,8 @@
   microbatches a rank holds; `step_end.py`, the end of a step and nested calls), with
   `run_queue.py`, `turns.py`, `value_store.py`, `remote_tensor.py`, `weight_grad.py`.
 - `transport.py` (with `messages.py`, `frames.py`): frames between the ranks of one pipeline, on
-  gloo groups of their own; `workers.py`: the threads.
+  gloo groups of their own; `channels.py`: CUDA tensors on NCCL pair groups beside the frames;
+  `workers.py`: the threads.
 - `activation_checkpointing.py`: recomputation of marked modules, served through the engine.
 
 May import the face's ground modules (`..errors`, `..state`, `..comm`), `..precision` and

@@ -38,6 +38,7 @@ from smshim.modelparallel.torch.state import state
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
 from smshim.timeline.recorder import Timeline
 from smshim.modelparallel.torch.pipeline.messages import (STEP_END, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.channels import DeviceChannel
 from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.modelparallel.torch.pipeline.workers import Workers, adopt_intra_op_threads
 
@@ -48,7 +49,8 @@ class Pipeline:
     def __init__(self, root: nn.Module, assignment: dict, ranks: List[int], pp_rank: int,
                  groups: Tuple[dist.ProcessGroup, dist.ProcessGroup], pipeline: str,
                  active_microbatches: int, timeline: Timeline, timeout_s: float,
-                 device: torch.device, deterministic: bool = False) -> None:
+                 device: torch.device, deterministic: bool = False,
+                 device_channel: Optional[DeviceChannel] = None) -> None:
         self.pp_rank = pp_rank
         self.pipeline = pipeline
         self.active_microbatches = active_microbatches
@@ -64,7 +66,7 @@ class Pipeline:
         self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
                                    device, deterministic)
         self.transport = Transport(ranks, pp_rank, groups, self.server.dispatch, timeout_s, device,
-                                   timeline)
+                                   timeline, device_channel=device_channel)
         self.server.transport = self.transport
         self.transport.on_error(self.server.wake_all)
         self.transport.on_error(lambda exc: self._wake())

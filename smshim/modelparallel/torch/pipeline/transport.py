@@ -18,8 +18,9 @@ glue or receiver thread waits on a transfer, a busy peer or one not yet in the s
 thread hand-off lies between a result and its transfer. The sender thread only waits for posted
 frames to complete (their buffers live until then) and keeps the deadline of held messages: a
 sender may hold a message back to leave with the next ones (`send(hold=True)`, then `flush`):
-pp_rank 0 sends a stage's calls of one microbatch as one frame. Tensors travel through CPU
-memory on a gloo group, whatever the compute device.
+pp_rank 0 sends a stage's calls of one microbatch as one frame. CPU tensors travel inside the
+frame; with a device channel (channels.py: CUDA tensors on NCCL groups of their own), CUDA
+tensors leave right after their frame, in header order, never through host memory.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from smshim.modelparallel.torch.pipeline.channels import APART, ENV as _CHANNEL_ENV, DeviceChannel
 from smshim.modelparallel.torch.pipeline.frames import (_PREFIX, FRAME_BYTES, _as_bytes, _frame_buffer,
                                                        _from_bytes)
 from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
@@ -75,8 +77,12 @@ class Transport:
                  groups: Tuple[dist.ProcessGroup, dist.ProcessGroup],
                  dispatch: Callable[[List[Message]], Optional[Callable[[], None]]],
                  timeout_s: float,
-                 device: torch.device, timeline=None, hold_s: float = HOLD_S) -> None:
+                 device: torch.device, timeline=None, hold_s: float = HOLD_S,
+                 device_channel: Optional[DeviceChannel] = None) -> None:
         self.ranks = ranks
+        # Tensors it takes travel apart from their frames (channels.py); None: all inside them.
+        self._apart = device_channel
+        self.sent_apart: collections.Counter = collections.Counter()  # tensors, by peer pp rank
         self.hold_s = hold_s
         self.timeline = timeline
         # What this rank sent, by (kind, peer pp rank): messages, and tensor bytes. The
@@ -397,10 +403,15 @@ class Transport:
         body. Assembled with numpy (a handful of torch ops per message cost more than the
         transfer of a small one). Returns the sends' works and the buffers they read, which
         must live until they complete."""
-        headers, body = [], []
+        headers, body, apart = [], [], []
+        channel = self._apart
         for msg in msgs:
             metas = []
             for t in msg.tensors:
+                if channel is not None and channel.takes(t):
+                    metas.append((tuple(t.shape), t.dtype, APART))
+                    apart.append(t)
+                    continue
                 arr = _as_bytes(t)
                 metas.append((tuple(t.shape), t.dtype, arr.size))
                 if arr.size:
@@ -427,7 +438,13 @@ class Transport:
             bufs.append(np.concatenate(body))
         keep = [torch.from_numpy(b) for b in bufs]
         group, dst = self._group(self.me, peer), self._group_rank[peer]
-        return [group.send([t], dst, 0) for t in keep], keep
+        works = [group.send([t], dst, 0) for t in keep]
+        if apart:  # after the frame that announces them, in its order (see channels.py)
+            more, sent = channel.send(peer, apart)
+            works += more
+            keep += sent
+            self.sent_apart[peer] += len(apart)
+        return works, keep
 
     def _group(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group that frames from pp rank `src` to pp rank `dst` travel on."""
@@ -511,14 +528,32 @@ class Transport:
             if body_len:
                 group.recv([torch.from_numpy(body)], src, 0).wait()
         offset = 0
+        apart = []  # (message's tensors, index, shape, dtype) of those on the device channel
         for msg in msgs:
             tensors = []
             for shape, dtype, nbytes in msg.tensors:
+                if nbytes == APART:
+                    apart.append((tensors, len(tensors), shape, dtype))
+                    tensors.append(None)
+                    continue
                 t = _from_bytes(body[offset:offset + nbytes], dtype, shape)
                 offset += nbytes
                 tensors.append(t.to(self.device) if self.device.type != "cpu" else t)
             msg.tensors = tensors
+        if apart:
+            self._recv_apart(peer, apart)
         return msgs
+
+    def _recv_apart(self, peer: int, apart: list) -> None:
+        """Receive a frame's tensors that travel on the device channel, in header order."""
+        if self._apart is None:
+            raise PipelineError(
+                f"pp rank {peer} (global rank {self.ranks[peer]}) sent tensors on the device "
+                f"channel, which pp rank {self.me} does not have: set {_CHANNEL_ENV} alike "
+                "on every rank")
+        got = self._apart.recv(peer, [(shape, dtype) for _, _, shape, dtype in apart])
+        for (tensors, i, _, _), t in zip(apart, got):
+            tensors[i] = t
 
     def shutdown(self, join_timeout_s: float = 5.0) -> None:
         """Stop the sender and receiver threads and wait for them (bounded). They are daemon

@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives: which gloo group a tensor-parallel module talks on, and the four
+"""Tensor-parallel collectives: which process group a tensor-parallel module talks on, and the four
 autograd-aware collectives the `smp.nn` modules are built from.
 
 Why one TP process group per microbatch. gloo matches collectives on a process group purely by
@@ -11,7 +11,7 @@ On one shared group that pairs microbatch 0's all-reduce on one rank with microb
 other: a deadlock (different sizes) or a silently wrong result (same sizes). Within one microbatch
 the order is fixed: TP peers run the same model code on the same microbatch, its forward in program
 order and its backward in autograd's order for identical graphs. So `init` creates, on every rank
-in the same order, one gloo group per (TP group, microbatch index) (`create_groups`), and every
+in the same order, one group per (TP group, microbatch index: gloo on CPU, NCCL on GPUs) (`create_groups`), and every
 collective here uses the group of the microbatch the calling thread is running (the engine's
 per-thread `ctx.microbatch`). Steps do not overlap on a rank, so reusing the groups across steps is
 safe. Outside a step (evaluation, state dicts) only one thread runs, and smp's own TP group is used.
@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from smshim.runtime import devices as _devices
 from smshim.modelparallel.torch.comm import CommGroup
 from smshim.modelparallel.torch.pipeline.context import at_tp_region_depth, ctx as _engine_ctx
 from smshim.modelparallel.torch.state import state
@@ -64,20 +65,31 @@ _mb_groups: Dict[int, Any] = {}
 _compute_lock: Any = None  # the pipeline's ComputeLock, when a pipeline runs on this rank
 
 
+def group_backend() -> str:
+    """The backend of the per-microbatch groups: NCCL when the job computes on GPUs of their own
+    (`smshim.runtime.devices`; the TP collectives' tensors live on the compute device), else gloo
+    (on the CPU, and when ranks share a GPU, which NCCL refuses). The NCCL groups' collectives
+    are issued in thread-dependent order across groups, as on gloo; each group has its own
+    communicator and stream, so one microbatch's collective never queues behind another's."""
+    return _devices.device_backend() or "gloo"
+
+
 def create_groups(tp_groups: List[List[int]], my_group: List[int], microbatches: int,
-                  timeout: Any) -> None:
-    """Create one gloo group per (TP group, microbatch). A collective over the whole job: every
-    rank calls it with the same arguments, in the same place of `smp.init`."""
+                  timeout: Any, backend: Optional[str] = None) -> None:
+    """Create one group per (TP group, microbatch), on `backend` (default: `group_backend()`).
+    A collective over the whole job: every rank calls it with the same arguments, in the same
+    place of `smp.init`."""
     _mb_groups.clear()
     if len(my_group) == 1:
         return
+    backend = backend or group_backend()
     for mb in range(microbatches):
         for members in tp_groups:
-            group = dist.new_group(members, backend="gloo", timeout=timeout)
+            group = dist.new_group(members, backend=backend, timeout=timeout)
             if members == my_group:
                 _mb_groups[mb] = group
-    logger.debug("created %d tensor-parallel groups per microbatch for %d microbatches",
-                 len(tp_groups), microbatches)
+    logger.debug("created %d tensor-parallel %s groups per microbatch for %d microbatches",
+                 len(tp_groups), backend, microbatches)
 
 
 def set_compute_lock(lock: Any) -> None:
