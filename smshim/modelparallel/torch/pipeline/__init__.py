@@ -8,7 +8,7 @@
   (`calls.py`, the caller's side; `serving.py`, the owner's; `admission.py`, how many
   microbatches a rank holds; `step_end.py`, the end of a step and nested calls), with
   `run_queue.py`, `turns.py`, `value_store.py`, `remote_tensor.py`, `weight_grad.py`.
-- `transport.py` (with `messages.py`, `frames.py`): frames between the ranks of one pipeline, on
+- `transport.py` (with `messages.py`, `frames.py`, `outbox.py`): frames between the ranks of one pipeline, on
   gloo groups of their own; `channels.py`: CUDA tensors on NCCL pair groups beside the frames;
   `workers.py`: the threads.
 - `activation_checkpointing.py`: recomputation of marked modules, served through the engine.

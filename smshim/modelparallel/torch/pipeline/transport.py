@@ -53,6 +53,7 @@ from smshim.modelparallel.torch.pipeline.frames import (_PREFIX, FRAME_BYTES, _a
                                                        _from_bytes)
 from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
                                                          PipelineError, _nbytes)
+from smshim.modelparallel.torch.pipeline.outbox import NEVER, Outbox
 from smshim.modelparallel.torch.pipeline.workers import Workers
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,6 @@ HOLD_S = 0.005
 # For this long after the last deadline, a sender thread with nothing held wakes every
 # `hold_s` instead of sleeping until notified (see `_send_loop`).
 _LINGER_S = 0.05
-_NEVER = float("inf")
 
 
 class Transport:
@@ -117,10 +117,10 @@ class Transport:
         # One receive buffer per peer (its receiver thread uses it).
         self._frames: Dict[int, tuple] = {}
         self.peers = [p for p in range(len(ranks)) if p != self.me]
-        self._outbox: Dict[int, _Outbox] = {}
+        self._outbox: Dict[int, Outbox] = {}
         self._holding = threading.local()  # .peers: see _held_peers
         for peer in self.peers:
-            self._outbox[peer] = _Outbox()
+            self._outbox[peer] = Outbox()
             t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
                                  name=f"smp-send-{self.me}-{peer}")
             t.start()
@@ -310,7 +310,7 @@ class Transport:
             held = self._holding.peers = []
         return held
 
-    def _post(self, peer: int, box: "_Outbox") -> None:
+    def _post(self, peer: int, box: "Outbox") -> None:
         """Post everything queued for `peer` as one frame (nothing if another thread has taken
         it already). Frames to a peer are posted one at a time, each with what was queued
         before it, so they leave in the order their messages were queued."""
@@ -375,10 +375,10 @@ class Transport:
                         # hold and a wake at its deadline.
                         box.wakes_at = now + self.hold_s
                     else:
-                        box.wakes_at = _NEVER
-                    box.cond.wait(timeout=None if box.wakes_at == _NEVER
+                        box.wakes_at = NEVER
+                    box.cond.wait(timeout=None if box.wakes_at == NEVER
                                   else box.wakes_at - now)
-                    box.wakes_at = _NEVER
+                    box.wakes_at = NEVER
                 posted = list(box.posted) if not due else []
             if due:
                 self._post(peer, box)
@@ -585,18 +585,3 @@ class Transport:
 
 # `_recv_session`'s result when the peer said it failed.
 _ERROR = object()
-
-
-class _Outbox:
-    """Messages queued for one peer, and the frames posted to it that may still be in flight."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()  # guards everything but `posting`
-        self.items: List[tuple] = []  # (message, done event or None), not yet posted
-        self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
-        self.last_deadline = -_NEVER  # the latest hold_until set
-        self.wakes_at = _NEVER  # when the sender thread's wait ends by itself
-        self.posting = threading.Lock()  # one frame at a time, in queue order (see _post)
-        # Posted frames not yet known complete: (works, buffers, done events, description).
-        self.posted: collections.deque = collections.deque()
-
