@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+MODEL_PARALLEL_DIM = "mp"  # tsm.state.mesh's TP/EP dim: each TP rank saves its own slices
+
 
 def _outside(mesh, dim: int, ranks: set) -> bool:
     return not set(dist.get_process_group_ranks(mesh.get_group(dim))) <= ranks
@@ -35,9 +37,13 @@ def _restrict(value, ranks: set):
         pl = value.placements[i]
         if pl.is_replicate():
             continue
-        if not pl.is_shard():
-            raise ValueError(f"checkpoint over a sub-group: a DTensor placed {pl} on mesh dim "
-                             f"{mesh.mesh_dim_names[i]!r} cannot be saved per group")
+        name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i)
+        if not pl.is_shard() or name != MODEL_PARALLEL_DIM:
+            # e.g. FSDP1's HSDP + TP state dict puts FSDP shards on the replica dim: replica 0
+            # alone does not hold the whole tensor
+            raise ValueError(f"checkpoint over a sub-group: a tensor is split ({pl}) over mesh "
+                             f"dim {name!r}, which reaches ranks outside the group; save and load "
+                             "over the world group (process_group=None) instead")
         d, n = pl.dim, mesh.size(i)
         if shape[d] % n or any(value.placements[k].is_shard(d) and mesh.size(k) > 1 for k in keep):
             raise ValueError(f"checkpoint over a sub-group: tensor of shape {tuple(value.shape)} "
