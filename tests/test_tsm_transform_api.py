@@ -312,3 +312,34 @@ def test_example_script_tp2_shard2_trains_checkpoints_and_resumes(tmp_path):
     from transformers import LlamaForCausalLM
     plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "full"))
     assert plain.lm_head.weight.shape == (100, 32)  # whole, not a TP half
+
+
+def _train_replicas_then_save_per_tp(path):
+    """TP2 x shard 2 x 2 replicas: train; then AWS's per-TP-rank save from replica 0, which
+    cannot hold the FSDP1 HSDP shards torch places on the replica dim: refused, not written."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = _build(tsm, "llama", "HYBRID_SHARD")
+    out = _train_loop(tsm, model)
+    out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict()}
+    if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
+        try:
+            save(sd, checkpoint_id=f"{path}/tp{tsm.state.tp_rank}", process_group=model.process_group,
+                 coordinator_rank=min(dist.get_process_group_ranks(model.process_group)))
+            out["refused"] = None
+        except ValueError as e:
+            out["refused"] = str(e)
+    return out
+
+
+def test_llama_tp2_shard2_two_replicas(tmp_path):
+    results = run_ranks(_train_replicas_then_save_per_tp, 8, str(tmp_path), timeout=420)
+    _check_equal(results, "llama")
+    assert results[0]["groups"] == [0, 2] and results[5]["groups"] == [5, 7]
+    for r in results[:4]:
+        assert r["refused"] and "save and load over the world group" in r["refused"]

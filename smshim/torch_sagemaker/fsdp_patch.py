@@ -16,9 +16,15 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
      `device_id=cpu`; without CUDA we pass the CPU (a CUDA `device_id` is mapped to it).
    * a HYBRID_SHARD call at hybrid_shard_degree 0 without TP gets an explicit (nodes, local ranks)
      mesh: stock FSDP derives the node size from the accelerator count, which is 0 on a CPU host.
-2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: TP
-   models are written back in the HF layout. Models that did not go through `tsm.transform` are in
-   that layout already, so nothing is translated for them.
+   * a model holding DTensors (tsm.transform's TP shards) gets the same sharding as a
+     `device_mesh` slice of tsm.state's mesh instead of groups (FSDP1's TP path needs one); NO_SHARD
+     or a 1-rank group is refused there (FSDP1 would swap the parameters at every unshard).
+   * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
+     replica's shard x EP ranks (the EP ranks are data-parallel ranks).
+2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: a
+   transformed model's FULL state dict has its TP/EP DTensors gathered whole (the HF layout; the
+   module tree is HF's already), by a state-dict hook on the root FSDP module. Models that did
+   not go through `tsm.transform` are in that layout already, so nothing is translated for them.
 3. `FullyShardedDataParallel.set_state_dict_type` (which `FSDP.state_dict_type` calls): when the
    model computes on the CPU, `offload_to_cpu=True` of a FULL state dict (model or optimizer) is
    turned off. The tensors are on the CPU already, so the result is the same; and with it, stock
