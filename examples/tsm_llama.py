@@ -8,6 +8,8 @@ synthetic token data. Our own code; it exists so that the calls such scripts mak
         examples/tsm_llama.py --max_steps 20 --checkpoint_dir /tmp/tsm_ckpt
 
 (or `torchrun --nproc-per-node 4 examples/tsm_llama.py --smp_config smp_config.json`).
+With `"tensor_parallel_degree": 2` added to the parameters, `tsm.transform` splits the model over
+TP pairs and FSDP shards it over the data-parallel ranks of each TP rank (TP2 x shard 2 on 4).
 The calls: `dist.init_process_group`, `tsm.init()`, `tsm.state` (tp/cp sizes and ranks for the
 data-parallel rank), `init_empty_weights()` + `AutoModelForCausalLM.from_config`, `tsm.transform`,
 `DelayedParamIniter` (`get_param_init_fn`, `get_post_param_init_fn`,
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
             model = AutoModelForCausalLM.from_config(model_config)
     else:
         model = AutoModelForCausalLM.from_config(model_config)
-    model = tsm.transform(model)  # every degree 1 here: the model comes back as it is
+    model = tsm.transform(model)  # right after building, as AWS's v2 scripts (all degrees 1: as is)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
     param_init_fn = post_param_init_fn = None

@@ -35,6 +35,18 @@ def _exact_init_limit_bytes() -> int:
     return int(float(os.environ.get("SMSHIM_TSM_EXACT_INIT_MAX_MB", "2048")) * 2 ** 20)
 
 
+def _copy_whole_into(dst: torch.Tensor, whole: torch.Tensor) -> None:
+    """dst <- whole; a DTensor (a tsm.transform'ed TP shard) takes its own slice, cut locally."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(dst, DTensor):
+        src = DTensor.from_local(whole.to(dst.device), dst.device_mesh,
+                                 [Replicate()] * dst.device_mesh.ndim, run_check=False)
+        dst.to_local().copy_(src.redistribute(dst.device_mesh, dst.placements).to_local())
+    else:
+        dst.copy_(whole)
+
+
 class DelayedParamIniter:
     def __init__(self, model: torch.nn.Module,
                  init_method_using_config: Optional[Callable[[torch.nn.Module], None]] = None,
@@ -128,11 +140,11 @@ class DelayedParamIniter:
                                f"model when the initer was made ({type(module).__name__})")
         ref = self._reference.get_submodule(name)
         for pname, p in module.named_parameters(recurse=False):
-            p.copy_(getattr(ref, pname))
+            _copy_whole_into(p, getattr(ref, pname))
         for bname, b in module.named_buffers(recurse=False):
             ref_b = getattr(ref, bname, None)
             if ref_b is not None:
-                b.copy_(ref_b)
+                _copy_whole_into(b, ref_b)
 
     def _init_alone(self, module: torch.nn.Module) -> None:
         init_weights = getattr(self.model, "_init_weights", None)

@@ -16,9 +16,15 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
      `device_id=cpu`; without CUDA we pass the CPU (a CUDA `device_id` is mapped to it).
    * a HYBRID_SHARD call at hybrid_shard_degree 0 without TP gets an explicit (nodes, local ranks)
      mesh: stock FSDP derives the node size from the accelerator count, which is 0 on a CPU host.
-2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: TP
-   models are written back in the HF layout. Models that did not go through `tsm.transform` are in
-   that layout already, so nothing is translated for them.
+   * a model holding DTensors (tsm.transform's TP shards) gets the same sharding as a
+     `device_mesh` slice of tsm.state's mesh instead of groups (FSDP1's TP path needs one); NO_SHARD
+     or a 1-rank group is refused there (FSDP1 would swap the parameters at every unshard).
+   * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
+     replica's shard x EP ranks (the EP ranks are data-parallel ranks).
+2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: a
+   transformed model's FULL state dict has its TP/EP DTensors gathered whole (the HF layout; the
+   module tree is HF's already), by a state-dict hook on the root FSDP module. Models that did
+   not go through `tsm.transform` are in that layout already, so nothing is translated for them.
 3. `FullyShardedDataParallel.set_state_dict_type` (which `FSDP.state_dict_type` calls): when the
    model computes on the CPU, `offload_to_cpu=True` of a FULL state dict (model or optimizer) is
    turned off. The tensors are on the CPU already, so the result is the same; and with it, stock
@@ -139,16 +145,108 @@ def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
     return {"sharding_strategy": strategy, "process_group": mesh["dp"].get_group()}
 
 
+def _expert_modules(module: torch.nn.Module) -> list:
+    from smshim.torch_sagemaker.parallelize.moe.expert_parallel import ExpertParallelExperts
+
+    return [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+
+
+def _holds_dtensors(module: torch.nn.Module, ignored) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    skip = {id(p) for m in ignored for p in m.parameters()}
+    return any(isinstance(p, DTensor) and id(p) not in skip for p in module.parameters())
+
+
+def _expert_parallel_args(module: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """EP: the EP ranks are data-parallel ranks too, so the rest of the model is sharded over the
+    whole replica (shard x EP ranks); the experts (split by EP, gradients pre-scaled by 1/ep) stay
+    out of FSDP. Nothing would average expert gradients over replicas: refused."""
+    d = state.degrees
+    if d.replicas > 1:
+        raise ValueError(f"expert_parallel_degree {d.ep} with {d.replicas} replicas "
+                         f"(hybrid_shard_degree {state.hybrid_shard_degree}): expert gradients are "
+                         "not averaged over replicas here; use hybrid_shard_degree 0")
+    ignored = list(kwargs.get("ignored_modules") or [])
+    ignored += [m for m in _expert_modules(module) if all(m is not i for i in ignored)]
+    strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+    if state.hybrid_shard_degree == 1:
+        strategy = ShardingStrategy.NO_SHARD
+    elif strategy in _HYBRID:
+        strategy = ShardingStrategy.FULL_SHARD  # one replica: hybrid would be full sharding
+    return {"sharding_strategy": strategy, "process_group": state.mesh["replica"].get_group(),
+            "ignored_modules": ignored}
+
+
+def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
+    """A model holding DTensors (tsm.transform's TP shards) needs FSDP1's 2-D path: a
+    `device_mesh` sliced from the TP mesh's root (so FSDP flattens the TP shards and rebuilds the
+    DTensors in state dicts), not process groups. Same groups as `_groups_for` gives."""
+    args = _groups_for(strategy)
+    args.pop("process_group", None)
+    hybrid = args["sharding_strategy"] in _HYBRID
+    mesh = state.mesh["rep", "shard"] if hybrid else state.mesh["dp"]
+    shard_size = mesh.size(1) if hybrid else mesh.size()
+    if args["sharding_strategy"] == ShardingStrategy.NO_SHARD or shard_size == 1:
+        # FSDP1's NO_SHARD (also what it falls back to on a 1-rank group) replaces a DTensor
+        # parameter by a new one at every unshard: the optimizer would hold stale parameters.
+        raise ValueError(
+            f"FSDP around a tsm.transform'ed model (tensor_parallel_degree "
+            f"{state.tensor_parallel_degree}) needs a sharding group of 2 or more ranks; here "
+            f"hybrid_shard_degree {state.hybrid_shard_degree} gives "
+            f"{'NO_SHARD' if shard_size > 1 else 'a group of 1'} (FSDP1 cannot keep TP "
+            "parameters unsharded). Use hybrid_shard_degree 0 or >= 2 with world_size >= "
+            "2 x tensor_parallel_degree, or train the transformed model without FSDP")
+    args["device_mesh"] = mesh
+    return args
+
+
 def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     kwargs.update(zip(_FSDP_PARAMS, args))
     if state.initialized:
         kwargs["device_id"] = _device_id(kwargs.get("device_id"))
         if kwargs.get("process_group") is None and kwargs.get("device_mesh") is None:
-            kwargs.update(_groups_for(kwargs.get("sharding_strategy")))
+            if state.expert_parallel_degree > 1:
+                kwargs.update(_expert_parallel_args(module, kwargs))
+            elif _holds_dtensors(module, kwargs.get("ignored_modules") or []):
+                kwargs.update(_tensor_parallel_args(kwargs.get("sharding_strategy")))
+            else:
+                kwargs.update(_groups_for(kwargs.get("sharding_strategy")))
+            root = True
+        else:
+            root = False
         kwargs["param_init_fn"] = _with_post_init(kwargs.get("param_init_fn"), post_param_init_fn)
     elif post_param_init_fn is not None:
         raise TypeError("FSDP(post_param_init_fn=...) is SMP's argument: call tsm.init() first")
+    else:
+        root = False
     _originals["FSDP.__init__"](self, module, **kwargs)
+    if root and _transformed(module):
+        self._register_state_dict_hook(_translate_full_state_dict)
+
+
+def _transformed(module: torch.nn.Module) -> bool:
+    return any(getattr(m, "_smshim_transform", None) is not None for m in module.modules())
+
+
+def _translate_full_state_dict(module, state_dict, prefix, local_metadata):
+    """FULL state dict of a transformed model with `translate_on_save` (the default): TP/EP
+    DTensor shards become whole tensors, i.e. the HF layout (the module tree is HF's already).
+    A collective over each TP/EP group, which holds the values on the ranks FSDP returns them on
+    (with rank0_only, FSDP rank 0 of every TP rank's sharding group), in key order."""
+    from torch.distributed.tensor import DTensor
+
+    if getattr(module, "_state_dict_type", None) != StateDictType.FULL_STATE_DICT:
+        return None
+    config = getattr(module, "_state_dict_config", None)
+    if not getattr(config, "translate_on_save", True):
+        return None
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        if isinstance(value, DTensor):
+            full = value.full_tensor().detach()
+            state_dict[key] = full.cpu() if getattr(config, "offload_to_cpu", False) else full
+    return None
 
 
 def _fsdp_on_cpu(module: torch.nn.Module) -> bool:

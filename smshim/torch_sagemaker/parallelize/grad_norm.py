@@ -74,6 +74,10 @@ def _local(p: torch.Tensor, norm_type: float) -> torch.Tensor:
     g = p.grad
     if g is None:
         return torch.zeros(())
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        # e.g. the vocab-split embedding's gradient comes back Replicate: count it as the
+        # parameter is split (local for Replicate -> Shard; every rank has the same layout)
+        g = g.redistribute(p.device_mesh, p.placements)
     g = (g.to_local() if isinstance(g, DTensor) else g).detach().float()
     if g.numel() == 0:
         return torch.zeros(())

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from smshim.torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
+from smshim.torch_sagemaker.distributed.checkpoint.group_local import restrict_to_group, write_back
 
 
 def _flatten(state_dict: Dict[str, Any]) -> Dict[str, Any]:
@@ -61,7 +62,10 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_reader=None,
             raise ValueError("checkpoint load: give checkpoint_id or storage_reader")
         storage_reader = DistributedFileSystemReader(checkpoint_id)
     where = str(checkpoint_id if checkpoint_id is not None else getattr(storage_reader, "path", ""))
+    original, state_dict = state_dict, restrict_to_group(state_dict, process_group)
     check_against_checkpoint(state_dict, storage_reader, where)
     if check_keys_matched and dist.is_initialized():
         _check_keys_matched(state_dict, process_group)
     dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group)
+    if state_dict is not original:
+        write_back(original, state_dict)

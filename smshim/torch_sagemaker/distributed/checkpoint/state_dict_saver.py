@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from smshim.torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
 from smshim.torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+from smshim.torch_sagemaker.distributed.checkpoint.group_local import restrict_to_group
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_writer=None,
          s3_region: Optional[str] = None, s3client_config: Any = None) -> None:
     """Save `state_dict` (sharded tensors included) collectively over `process_group`."""
     _check_coordinator(process_group, coordinator_rank)
+    state_dict = restrict_to_group(state_dict, process_group)  # TP DTensors: this TP rank's part
     dcp.save(state_dict, storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
              process_group=process_group)
 
@@ -78,6 +80,7 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id=None, storage_writer
     `maybe_finalize_async_calls` (or the queue's) before the next save and at exit."""
     _check_coordinator(process_group, coordinator_rank)
     writer = _writer(checkpoint_id, storage_writer)
+    state_dict = restrict_to_group(state_dict, process_group)  # TP DTensors: this TP rank's part
     background = _background_group(process_group)
     if background is None:
         logger.warning("async_save over ranks %s: no background twin of this group (tsm.init makes "

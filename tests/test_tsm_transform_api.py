@@ -1,0 +1,345 @@
+"""`tsm.transform` through the real SMP v2 API: `tsm.init(degrees)`, `model = tsm.transform(model)`,
+then the script's unchanged `FullyShardedDataParallel(...)` (the patched FSDP picks the groups or
+mesh, and keeps expert-parallel experts out) trains exactly like one process training the plain
+HF model on the same global batch (fp32, < 1e-5 after 3 AdamW steps, clipping active), and its
+checkpoints are HF checkpoints / reshardable."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from smshim.testing import run_ranks
+from tests import tsm_models
+
+TOL = 1e-5
+CLIP = 0.5  # below the tiny models' first gradient norms: clipping acts
+
+
+def _init(smp_config):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    dist.init_process_group("gloo")
+    tsm.init(smp_config)
+    return tsm
+
+
+def _wrap(model, layer_cls, strategy):
+    """AWS's v2 FSDP call, unchanged: no process group, no device mesh."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    return FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                          transformer_layer_cls=layer_cls),
+                use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
+                device_id=torch.device("cuda", 0) if torch.cuda.is_available() else None)
+
+
+def _layer_cls(model):
+    from smshim.torch_sagemaker.parallelize.api import find_plan
+
+    name = find_plan(model).layer_class
+    return {type(m) for m in model.modules() if type(m).__name__ == name}
+
+
+def _build(tsm, kind, strategy, seed=0):
+    config = None
+    if kind == "mixtral":
+        from torch.sagemaker.moe.moe_config import MoEConfig
+        config = MoEConfig(moe_load_balancing="none")
+    model = tsm_models.make(kind, seed=seed)
+    layer_cls = _layer_cls(model)
+    model = tsm.transform(model, config=config)
+    return model if strategy is None else _wrap(model, layer_cls, strategy)
+
+
+def _full_sd(model, **cfg):
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    config = FullStateDictConfig(**{"offload_to_cpu": True, "rank0_only": True, **cfg})
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _local_batch(tsm, x):
+    from smshim.torch_sagemaker.parallelize import split_for_cp
+
+    s = tsm.state
+    per = x.shape[0] // s.dp_size
+    x = x[s.dp_rank * per:(s.dp_rank + 1) * per]
+    return split_for_cp(x, s.cp_rank, s.context_parallel_degree) if s.context_parallel_degree > 1 else x
+
+
+def _train_loop(tsm, model):
+    import torch.distributed as dist
+    from torch.sagemaker.grad_norm import clip_grad_norm_
+
+    opt = tsm_models.optimizer(model)
+    losses, norms = [], []
+    for x in tsm_models.batches():
+        x = _local_batch(tsm, x)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / dist.get_world_size())
+    x = tsm_models.batches(1, seed=5)[0]
+    return {"losses": losses, "norms": norms, "logits": model(input_ids=x).logits.detach(),
+            "local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                               for p in model.parameters())}
+
+
+def _train(kind, smp_config, strategy, save_dir=None):
+    """strategy None: no FSDP (TP over every rank leaves no data-parallel group to shard over)."""
+    import torch.distributed as dist
+
+    tsm = _init(smp_config)
+    model = _build(tsm, kind, strategy)
+    out = _train_loop(tsm, model)
+    if strategy is None:
+        from smshim.torch_sagemaker.parallelize import full_hf_state_dict
+        return {**out, "sd": full_hf_state_dict(model), "groups": None}
+    out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
+    if save_dir:
+        from torch.sagemaker.distributed.checkpoint.full import save_full
+        save_full(model, save_dir, model.module.config)
+        head = _full_sd(model, translate_on_save=False).get("lm_head.weight")
+        out["untranslated_head"] = None if head is None else (type(head).__name__,
+                                                                head.to_local().shape[0])
+    return out
+
+
+def _check_equal(results, kind, ranks_with_sd=(0,)):
+    ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP)
+    assert ref_norms[0] > CLIP
+    for rank, r in enumerate(results):
+        assert r["norms"] == pytest.approx(ref_norms, abs=TOL), rank
+        assert r["losses"] == pytest.approx(ref_losses, abs=TOL), rank
+    for rank in ranks_with_sd:
+        assert tsm_models.max_diff(results[rank]["sd"], ref_sd) < TOL, rank
+    return ref_sd
+
+
+def _plain_logits(kind, sd):
+    plain = tsm_models.make(kind, seed=99)
+    plain.load_state_dict(sd, strict=True)
+    return plain(input_ids=tsm_models.batches(1, seed=5)[0]).logits.detach()
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "FULL_SHARD"])
+def test_llama_tp2_shard2_script_flow(strategy, tmp_path):
+    """TP2 x hybrid_shard_degree 2 on 4 ranks: sharded over the 2 data-parallel ranks of each TP
+    rank; the full state dict (translate_on_save) and save_full are HF checkpoints."""
+    cfg = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+    results = run_ranks(_train, 4, "llama", cfg, strategy, str(tmp_path / "full"), timeout=420)
+    _check_equal(results, "llama")
+    assert [r["groups"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    full = sum(v.numel() for v in results[0]["sd"].values())
+    assert results[0]["local_numel"] < 0.3 * full + 200  # TP/2 and FSDP/2 (norms replicated)
+    torch.testing.assert_close(_plain_logits("llama", results[0]["sd"]), results[0]["logits"],
+                               atol=1e-5, rtol=0)
+    from transformers import LlamaForCausalLM
+    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "full"))
+    assert tsm_models.max_diff(plain.state_dict(), results[0]["sd"]) == 0.0
+    # translate_on_save=False: TP shards as they are (half the vocabulary on each TP rank)
+    assert results[0]["untranslated_head"] == ("DTensor", tsm_models.VOCAB // 2)
+
+
+def test_gpt_neox_tp2_shard2_script_flow():
+    cfg = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+    results = run_ranks(_train, 4, "gpt_neox", cfg, "HYBRID_SHARD", timeout=420)
+    _check_equal(results, "gpt_neox")
+    torch.testing.assert_close(_plain_logits("gpt_neox", results[0]["sd"]), results[0]["logits"],
+                               atol=1e-5, rtol=0)
+
+
+def test_llama_tp2_alone_script_flow():
+    """TP2 on 2 ranks: no data-parallel group, so no FSDP; tsm.grad_norm clips over TP shards."""
+    results = run_ranks(_train, 2, "llama", {"tensor_parallel_degree": 2}, None, timeout=300)
+    _check_equal(results, "llama", ranks_with_sd=(0, 1))
+
+
+def _fsdp_without_sharding_group(hsd):
+    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": hsd})
+    try:
+        _build(tsm, "llama", "FULL_SHARD")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world,hsd", [(2, 0), (4, 1)])
+def test_fsdp_over_tp_without_sharding_group_is_refused(world, hsd):
+    """FSDP1's NO_SHARD (and its fallback on a 1-rank group) swaps TP DTensor parameters for new
+    ones at every unshard: refused on every rank with what to do, instead of training wrong."""
+    for msg in run_ranks(_fsdp_without_sharding_group, world, hsd, timeout=180):
+        assert msg and "needs a sharding group of 2 or more ranks" in msg, msg
+
+
+def test_llama_cp2_script_flow():
+    results = run_ranks(_train, 2, "llama", {"context_parallel_degree": 2}, "FULL_SHARD",
+                        timeout=300)
+    _check_equal(results, "llama")
+
+
+def test_mixtral_ep2_script_flow():
+    """EP2 on 2 ranks: the EP ranks are the data-parallel ranks; the patched FSDP shards the rest
+    over both and keeps the experts out (each rank holds half of them)."""
+    results = run_ranks(_train, 2, "mixtral", {"expert_parallel_degree": 2}, "HYBRID_SHARD",
+                        timeout=300)
+    ref_sd = _check_equal(results, "mixtral")
+    assert results[0]["groups"] == [0, 1]
+    experts = sum(v.numel() for k, v in ref_sd.items() if ".experts." in k)
+    assert results[0]["local_numel"] < sum(v.numel() for v in ref_sd.values()) - experts // 2 + 1
+
+
+def _sharded_save(path):
+    """TP2 x shard 2: one step, then the SHARDED_STATE_DICT AWS's scripts take, saved with
+    tsm's DCP saver over the world (every TP rank's shards in one checkpoint)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = _build(tsm, "llama", "HYBRID_SHARD")
+    opt = tsm_models.optimizer(model)
+    x = _local_batch(tsm, tsm_models.batches(1)[0])
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        save({"model": model.state_dict()}, checkpoint_id=path)
+    # ...and loads back at the same layout
+    before = _full_sd(model, rank0_only=False)
+    _sharded_load_into(model, path)
+    return before, _full_sd(model, rank0_only=False)
+
+
+def _sharded_load_into(model, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict()}
+        load(sd, checkpoint_id=path)
+        model.load_state_dict(sd["model"])
+
+
+def _sharded_load_shard4(path):
+    tsm = _init({"hybrid_shard_degree": 4})
+    model = _build(tsm, "llama", "HYBRID_SHARD", seed=42)
+    _sharded_load_into(model, path)
+    return _full_sd(model, rank0_only=False)
+
+
+def test_sharded_checkpoint_tp2_shard2_loads_at_tp1_shard4(tmp_path):
+    path = str(tmp_path / "sharded")
+    saved = run_ranks(_sharded_save, 4, path, timeout=300)
+    for before, again in saved:
+        assert tsm_models.max_diff(before, again) == 0.0
+    loaded = run_ranks(_sharded_load_shard4, 4, path, timeout=300)
+    for r in loaded:
+        assert tsm_models.max_diff(r, saved[0][0]) == 0.0
+
+
+def _rank0_load(from_rank0):
+    import torch.distributed as dist
+    from accelerate import init_empty_weights
+
+    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    if not from_rank0 or dist.get_rank() == 0:
+        model = tsm_models.make("llama", seed=7)
+    else:
+        with init_empty_weights():
+            model = tsm_models.make("llama", seed=123)
+    layer_cls = _layer_cls(model)
+    model = _wrap(tsm.transform(model, load_state_dict_from_rank0=from_rank0), layer_cls,
+                  "HYBRID_SHARD")
+    x = tsm_models.batches(1)[0]
+    return {"sd": _full_sd(model, rank0_only=False), "logits": model(input_ids=x).logits.detach()}
+
+
+def test_load_state_dict_from_rank0_equals_every_rank_loading():
+    from_rank0 = run_ranks(_rank0_load, 4, True, timeout=300)
+    everyone = run_ranks(_rank0_load, 4, False, timeout=300)
+    plain = tsm_models.make("llama", seed=7)
+    for a, b in zip(from_rank0, everyone):
+        assert tsm_models.max_diff(a["sd"], b["sd"]) == 0.0
+        assert tsm_models.max_diff(a["sd"], plain.state_dict()) == 0.0
+        torch.testing.assert_close(a["logits"], b["logits"], atol=0, rtol=0)
+
+
+def test_example_script_tp2_shard2_trains_checkpoints_and_resumes(tmp_path):
+    """examples/tsm_llama.py at tensor_parallel_degree 2 x hybrid_shard_degree 2 on 4 processes:
+    the loss falls, per-TP-rank sharded checkpoints are written, a resume from step 10 repeats the
+    first run's losses, and the full export is an ordinary HF checkpoint."""
+    import json
+    import re
+    import sys
+
+    from smshim.testing import run_command
+    from tests.test_tsm_example import EXAMPLE
+
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"tensor_parallel_degree": 2,
+                                              "hybrid_shard_degree": 2})}
+
+    def run(*args, steps=20):
+        out = run_command([sys.executable, "-m", "smshim", "run", "-n", "4", EXAMPLE, "--max_steps",
+                           str(steps), "--checkpoint_freq", "10", "--checkpoint_dir",
+                           str(tmp_path / "ckpt"), *args], timeout=300, cwd=str(tmp_path), env=env)
+        return out.stdout + out.stderr
+
+    log = run()
+    m = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", log)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.5, log[-3000:]
+    assert "dp 2 x tp 2 x cp 1, hybrid_shard_degree 2" in log
+    for tp_rank in (0, 1):
+        assert (tmp_path / "ckpt" / "10steps" / f"tp{tp_rank}_ep0" / ".metadata").exists()
+    resumed = run("--resume_from_checkpoint", str(tmp_path / "ckpt" / "10steps"), steps=12)
+    assert "at step 10" in resumed, resumed[-3000:]
+    first = dict(re.findall(r"step (\d+) loss ([0-9.]+)", log))
+    again = dict(re.findall(r"step (\d+) loss ([0-9.]+)", resumed))
+    assert again["10"] == first["10"] and again["11"] == first["11"], (first, again)
+    from transformers import LlamaForCausalLM
+    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "full"))
+    assert plain.lm_head.weight.shape == (100, 32)  # whole, not a TP half
+
+
+def _train_replicas_then_save_per_tp(path):
+    """TP2 x shard 2 x 2 replicas: train; then AWS's per-TP-rank save from replica 0, which
+    cannot hold the FSDP1 HSDP shards torch places on the replica dim: refused, not written."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = _build(tsm, "llama", "HYBRID_SHARD")
+    out = _train_loop(tsm, model)
+    out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict()}
+    if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
+        try:
+            save(sd, checkpoint_id=f"{path}/tp{tsm.state.tp_rank}", process_group=model.process_group,
+                 coordinator_rank=min(dist.get_process_group_ranks(model.process_group)))
+            out["refused"] = None
+        except ValueError as e:
+            out["refused"] = str(e)
+    return out
+
+
+def test_llama_tp2_shard2_two_replicas(tmp_path):
+    results = run_ranks(_train_replicas_then_save_per_tp, 8, str(tmp_path), timeout=420)
+    _check_equal(results, "llama")
+    assert results[0]["groups"] == [0, 2] and results[5]["groups"] == [5, 7]
+    for r in results[:4]:
+        assert r["refused"] and "save and load over the world group" in r["refused"]
