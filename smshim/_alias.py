@@ -57,33 +57,38 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self._target_spec
 
 
-class SmdistributedAliasFinder(importlib.abc.MetaPathFinder):
-    """Maps `smdistributed[.x]` to `smshim[.x]` unless a genuine smdistributed is installed."""
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Maps `<alias>[.x]` to `<target>[.x]` unless a genuine `<alias>` is installed (one finder
+    per alias: the two differ only in their names and in where a genuine package would be)."""
+
+    alias = target = ""
+    genuine_found = ""  # warning when a genuine package is there, with its location as %s
+    forced = ""  # warning under SMSHIM_ALIAS=force when one is there
+
+    def _genuine(self):
+        return importlib.machinery.PathFinder.find_spec(self.alias)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
+        alias = self.alias
+        if fullname != alias and not fullname.startswith(alias + "."):
             return None
         mode = os.environ.get("SMSHIM_ALIAS", "auto").lower()
         if mode in ("0", "off", "false", "no"):
             return None
-        if fullname == ALIAS:
-            if mode != "force":
-                genuine = importlib.machinery.PathFinder.find_spec(ALIAS)
-                if genuine is not None:
-                    logger.warning(
-                        "a genuine smdistributed is installed at %s; smshim does not shadow it. "
-                        "Set SMSHIM_ALIAS=force to use smshim instead.",
-                        genuine.origin or list(genuine.submodule_search_locations or []),
-                    )
-                    return None
-            elif importlib.machinery.PathFinder.find_spec(ALIAS) is not None:
-                logger.warning("SMSHIM_ALIAS=force: smshim shadows the installed smdistributed")
+        if fullname == alias:
+            genuine = self._genuine()
+            if genuine is not None and mode != "force":
+                logger.warning(self.genuine_found,
+                               genuine.origin or list(genuine.submodule_search_locations or []))
+                return None
+            if genuine is not None:
+                logger.warning(self.forced)
         else:
             # Only alias submodules of our own alias; a genuine parent keeps its own children.
-            parent = sys.modules.get(ALIAS)
-            if parent is None or parent is not sys.modules.get(TARGET):
+            parent = sys.modules.get(alias)
+            if parent is None or parent is not sys.modules.get(self.target):
                 return None
-        target_name = TARGET + fullname[len(ALIAS):]
+        target_name = self.target + fullname[len(alias):]
         try:
             target_spec = importlib.util.find_spec(target_name)
         except ModuleNotFoundError:
@@ -96,51 +101,34 @@ class SmdistributedAliasFinder(importlib.abc.MetaPathFinder):
             origin=target_spec.origin,
             is_package=target_spec.submodule_search_locations is not None,
         )
+
+
+class SmdistributedAliasFinder(_AliasFinder):
+    """Maps `smdistributed[.x]` to `smshim[.x]` unless a genuine smdistributed is installed."""
+
+    alias, target = ALIAS, TARGET
+    genuine_found = ("a genuine smdistributed is installed at %s; smshim does not shadow it. "
+                     "Set SMSHIM_ALIAS=force to use smshim instead.")
+    forced = "SMSHIM_ALIAS=force: smshim shadows the installed smdistributed"
 
 
 TSM_ALIAS = "torch.sagemaker"
 TSM_TARGET = "smshim.torch_sagemaker"
 
 
-class TorchSagemakerAliasFinder(importlib.abc.MetaPathFinder):
+class TorchSagemakerAliasFinder(_AliasFinder):
     """Maps `torch.sagemaker[.x]` to `smshim.torch_sagemaker[.x]` unless torch ships its own."""
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != TSM_ALIAS and not fullname.startswith(TSM_ALIAS + "."):
-            return None
-        mode = os.environ.get("SMSHIM_ALIAS", "auto").lower()
-        if mode in ("0", "off", "false", "no"):
-            return None
-        if fullname == TSM_ALIAS:
-            torch = sys.modules.get("torch")
-            torch_path = list(getattr(torch, "__path__", None) or [])
-            genuine = importlib.machinery.PathFinder.find_spec(TSM_ALIAS, torch_path)
-            if genuine is not None and mode != "force":
-                logger.warning(
-                    "the installed torch has its own torch.sagemaker at %s; smshim does not "
-                    "shadow it. Set SMSHIM_ALIAS=force to use smshim instead.",
-                    genuine.origin or list(genuine.submodule_search_locations or []),
-                )
-                return None
-            if genuine is not None:
-                logger.warning("SMSHIM_ALIAS=force: smshim shadows the installed torch.sagemaker")
-        else:
-            parent = sys.modules.get(TSM_ALIAS)
-            if parent is None or parent is not sys.modules.get(TSM_TARGET):
-                return None
-        target_name = TSM_TARGET + fullname[len(TSM_ALIAS):]
-        try:
-            target_spec = importlib.util.find_spec(target_name)
-        except ModuleNotFoundError:
-            return None
-        if target_spec is None:
-            return None
-        return importlib.machinery.ModuleSpec(
-            fullname,
-            _AliasLoader(target_name),
-            origin=target_spec.origin,
-            is_package=target_spec.submodule_search_locations is not None,
-        )
+    alias, target = TSM_ALIAS, TSM_TARGET
+    genuine_found = ("the installed torch has its own torch.sagemaker at %s; smshim does not "
+                     "shadow it. Set SMSHIM_ALIAS=force to use smshim instead.")
+    forced = "SMSHIM_ALIAS=force: smshim shadows the installed torch.sagemaker"
+
+    def _genuine(self):
+        # Inside the imported torch package (it is imported first: `torch` is the parent).
+        torch = sys.modules.get("torch")
+        return importlib.machinery.PathFinder.find_spec(
+            TSM_ALIAS, list(getattr(torch, "__path__", None) or []))
 
 
 def install() -> None:
