@@ -39,5 +39,6 @@ def test_tsm_llama_example_trains_checkpoints_and_resumes(tmp_path):
     # The full export is an ordinary HF checkpoint.
     from transformers import LlamaForCausalLM
 
-    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "full"))
+    # `smshim run` sets SM_MODEL_DIR (<cwd>/smshim_output/model), where the script writes it.
+    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "smshim_output" / "model"))
     assert all(torch.isfinite(p).all() for p in plain.parameters())

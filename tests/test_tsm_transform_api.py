@@ -310,7 +310,8 @@ def test_example_script_tp2_shard2_trains_checkpoints_and_resumes(tmp_path):
     again = dict(re.findall(r"step (\d+) loss ([0-9.]+)", resumed))
     assert again["10"] == first["10"] and again["11"] == first["11"], (first, again)
     from transformers import LlamaForCausalLM
-    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "full"))
+    # `smshim run` sets SM_MODEL_DIR (<cwd>/smshim_output/model), where the script writes it.
+    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "smshim_output" / "model"))
     assert plain.lm_head.weight.shape == (100, 32)  # whole, not a TP half
 
 
