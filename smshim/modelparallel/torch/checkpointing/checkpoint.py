@@ -280,9 +280,22 @@ def _v3_siblings(f: PathLike) -> List[str]:
 
 
 # Checkpoints ----------------------------------------------------------------------------------
-def _rank_files(directory: str) -> Tuple[str, str]:
+def _sdp_layout() -> Any:
+    """The model's shard layout under sharded data parallelism (None without it)."""
+    return getattr(state.model, "sdp_layout", None)
+
+
+def _rank_suffix() -> str:
+    """pp_rank_tp_rank, and the shard rank under sharded data parallelism (each shard's own
+    file, written by replica 0)."""
     topo = state.topology
-    suffix = f"{topo.pp_rank}_{topo.tp_rank}.pt"
+    layout = _sdp_layout()
+    shard = f"_sdp{layout.shard_rank}" if layout is not None else ""
+    return f"{topo.pp_rank}_{topo.tp_rank}{shard}.pt"
+
+
+def _rank_files(directory: str) -> Tuple[str, str]:
+    suffix = _rank_suffix()
     return (os.path.join(directory, f"model_{suffix}"),
             os.path.join(directory, f"optimizer_{suffix}"))
 
@@ -311,7 +324,7 @@ def _rotate(path: str, keep_tag: str, num_kept: int) -> None:
     included). Age = the modification time of this rank's own model/optimizer file there; each
     rank deletes only what it wrote, and the last one out removes the directory."""
     topo = state.topology
-    suffix = f"{topo.pp_rank}_{topo.tp_rank}.pt"
+    suffix = _rank_suffix()
     mine = [f"model_{suffix}", f"optimizer_{suffix}"] + ([USER_CONTENT] if topo.rank == 0 else [])
     aged = []
     for entry in os.listdir(path):
@@ -351,7 +364,10 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
             f"smp.save_checkpoint: num_kept_partial_checkpoints={num_kept_partial_checkpoints} "
             "must be >= 1 (or None to keep every checkpoint)")
     topo = state.topology
-    writer = topo.rdp_rank == 0
+    layout = _sdp_layout()
+    # Sharded data parallelism: replica 0's ranks each write their shard; the full state dicts
+    # are gathered by every rank.
+    writer = topo.rdp_rank == 0 if layout is None else layout.replica == 0
 
     def write_partial() -> None:
         directory = os.path.join(path, f"{tag}_partial")
@@ -376,9 +392,11 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
 
     def write_full() -> None:
         msd = osd = None
-        if getattr(optimizer, "shards_state", False):  # gathered over the replicas: everyone
-            osd = optimizer.state_dict()
-        if topo.rdp_rank == 0:  # the MP group of rank 0 gathers; other replicas hold copies
+        if getattr(optimizer, "shards_state", False) or (layout is not None and optimizer is not None):
+            osd = optimizer.state_dict()  # gathered over the replicas / shards: everyone
+        if layout is not None and model is not None:
+            msd = model.state_dict()  # gathered over the shards: everyone (onto rank 0)
+        if topo.rdp_rank == 0 and layout is None:  # the MP group of rank 0 gathers; other replicas hold copies
             msd = model.state_dict() if model is not None else None
             if optimizer is not None and osd is None:
                 osd = optimizer.state_dict()

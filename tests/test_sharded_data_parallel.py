@@ -1,0 +1,197 @@
+"""SMP v1 sharded data parallelism (sharded_data_parallel_degree > 1) on torch's FSDP.
+
+Every distributed job must end where one process training on the same global batches ends
+(fp32, < 1e-5): sdp 2 on 2 ranks (FULL_SHARD), sdp 2 x 2 replicas on 4 ranks (HYBRID_SHARD),
+with SGD and Adam, microbatches accumulated inside the step, sdp_gradient_clipping applied before
+every step; clip_master_grads gives torch's norm; partial and full checkpoints resume exactly and
+the full one loads into the plain module; bad combinations fail on every rank naming the keys.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from smshim.testing import RankFailure, run_ranks
+
+TOL = 1e-5
+BATCH = 8
+TIMEOUT = 240
+
+
+class Net(nn.Module):
+    # Sizes that do not divide evenly: flat shards cut through parameters.
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.norm = nn.LayerNorm(13)
+        self.fc2 = nn.Linear(13, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _batches(steps):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 7, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # torch's eps 1e-8 turns rounding noise of near-zero gradients into visible steps.
+    return torch.optim.Adam(params, lr=0.01, eps=1e-5)
+
+
+def _reference(kind, steps, clip=0.0, manual_clip=None):
+    """One process, the whole global batch per step."""
+    model = _model()
+    opt = _optimizer(kind, model.parameters())
+    norms = []
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if manual_clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), manual_clip)))
+        elif clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _job(cfg, kind, steps, first=0, save=None, resume=None, manual_clip=None):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    model = smp.DistributedModel(_model())
+    opt = smp.DistributedOptimizer(_optimizer(kind, model.parameters()))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    if resume is not None:
+        smp.resume_from_checkpoint(resume[0], partial=resume[1])
+    n, r = smp.dp_size(), smp.dp_rank()
+    k = BATCH // n
+    norms = []
+    for x, y in _batches(steps)[first:]:
+        opt.zero_grad()
+        train_step(model, x[r * k:(r + 1) * k], y[r * k:(r + 1) * k])
+        if manual_clip is not None:
+            norms.append(opt.clip_master_grads(manual_clip))
+        opt.step()
+    if save is not None:
+        smp.save_checkpoint(save[0], "ckpt", partial=save[1], model=model, optimizer=opt)
+    full = model.state_dict()  # gathered onto rank 0 (every rank calls)
+    local = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"full": full, "norms": norms, "local_sizes": {n: v.numel() for n, v in local.items()}}
+
+
+def _cfg(k, m=1, clip=0.0):
+    return {"ddp": True, "sharded_data_parallel_degree": k, "microbatches": m,
+            "sdp_gradient_clipping": clip}
+
+
+def _assert_close(got, want, what):
+    assert set(got) == set(want), (what, sorted(got), sorted(want))
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err < TOL, f"{what}: {name} differs by {err}"
+
+
+@pytest.mark.parametrize("world,k,kind,m,clip", [
+    (2, 2, "sgd", 1, 0.0),
+    (2, 2, "adam", 2, 0.5),
+    (4, 2, "sgd", 2, 0.0),
+    (4, 2, "adam", 1, 0.5),
+])
+def test_training_equals_one_process(world, k, kind, m, clip):
+    steps = 4
+    res = run_ranks(_job, world, _cfg(k, m, clip), kind, steps, timeout=TIMEOUT)
+    want, _ = _reference(kind, steps, clip)
+    _assert_close(res[0]["full"], want, f"sdp {k} of {world} ranks, {kind}, m={m}")
+    assert all(r["full"] == {} for r in res[1:])  # gathered onto rank 0 only
+    # Each rank holds a shard: the pieces of a replica add up to the model, once.
+    total = sum(v.numel() for v in want.values())
+    for rep in range(world // k):
+        held = sum(sum(res[rep * k + s]["local_sizes"].values()) for s in range(k))
+        assert held == total, (rep, held, total)
+    assert sum(res[0]["local_sizes"].values()) < total
+
+
+def test_clip_master_grads_is_torchs_global_norm():
+    res = run_ranks(_job, 4, _cfg(2, clip=1.0), "sgd", 3, 0, None, None, 0.05, timeout=TIMEOUT)
+    want, norms = _reference("sgd", 3, manual_clip=0.05)
+    for r in res:
+        assert len(r["norms"]) == 3
+        for got, ref in zip(r["norms"], norms):
+            assert abs(got - ref) < 1e-5 * max(1.0, ref), (got, ref)
+    # The script's own clip replaces sdp_gradient_clipping's for that step.
+    _assert_close(res[0]["full"], want, "clip_master_grads(0.05)")
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_checkpoint_resumes_exactly(tmp_path, partial):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_job, 4, _cfg(2), "adam", 2, 0, (path, partial), timeout=TIMEOUT)
+    if partial:
+        files = sorted(os.listdir(os.path.join(path, "ckpt_partial")))
+        assert files == ["model_0_0_sdp0.pt", "model_0_0_sdp1.pt", "optimizer_0_0_sdp0.pt",
+                         "optimizer_0_0_sdp1.pt", "user_content.pt"], files
+    else:
+        # The full checkpoint is the plain module's state dict and torch's optimizer format.
+        plain = _model()
+        plain.load_state_dict(torch.load(os.path.join(path, "ckpt")))
+        want2, _ = _reference("adam", 2)
+        _assert_close(plain.state_dict(), want2, "full checkpoint in a plain module")
+        osd = torch.load(os.path.join(path, "ckpt_optimizer.pt"))
+        ref_opt = _optimizer("adam", plain.parameters())
+        ref_opt.load_state_dict(osd)  # torch's own format, index-keyed
+        assert sorted(osd["state"]) == list(range(len(list(plain.parameters()))))
+    res = run_ranks(_job, 4, _cfg(2), "adam", 4, 2, None, (path, partial), timeout=TIMEOUT)
+    want, _ = _reference("adam", 4)
+    _assert_close(res[0]["full"], want, f"resumed from a {'partial' if partial else 'full'} "
+                                        "checkpoint")
+
+
+def test_partial_checkpoint_at_another_degree_fails_on_every_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_job, 2, _cfg(2), "sgd", 1, 0, (path, True), timeout=TIMEOUT)
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_job, 4, _cfg(4), "sgd", 2, 1, None, (path, True), timeout=TIMEOUT)
+    assert "sharded_data_parallel_degree" in str(e.value)
+
+
+def _bad_init(cfg):
+    import smdistributed.modelparallel.torch as smp
+
+    try:
+        smp.init(cfg)
+    except Exception as e:  # every rank must fail before any collective
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    ({"ddp": True, "sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2},
+     ["'sharded_data_parallel_degree'=2", "'pipeline_parallel_degree'=2"]),
+    ({"ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+     ["'sharded_data_parallel_degree'=2", "'shard_optimizer_state'=True"]),
+    ({"ddp": True, "sharded_data_parallel_degree": 4},
+     ["'sharded_data_parallel_degree'=4", "world size 2"]),
+])
+def test_bad_combination_names_the_keys_on_every_rank(cfg, keys):
+    res = run_ranks(_bad_init, 2, cfg, timeout=60)
+    for msg in res:
+        assert msg is not None and all(k in msg for k in keys), msg
