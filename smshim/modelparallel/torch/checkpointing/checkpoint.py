@@ -478,6 +478,15 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
                 raise FileNotFoundError(
                     f"{what}: {name!r}{' (named by newest)' if tag is None else ''} is a full "
                     f"checkpoint ({os.path.join(path, name)}); load it with partial=False")
+            layout = _sdp_layout()
+            if not os.path.exists(model_file) and layout is not None:
+                shards = glob.glob(os.path.join(glob.escape(directory), "model_*_sdp*.pt"))
+                raise FileNotFoundError(
+                    f"{what}: {model_file} does not exist: this rank holds shard "
+                    f"{layout.shard_rank} of sharded_data_parallel_degree {layout.degree}, and the "
+                    f"checkpoint has {len(shards)} shard file(s); a partial checkpoint loads only "
+                    "at the sharded_data_parallel_degree it was saved with (save a full one, "
+                    "partial=False, to change it)")
             if not os.path.exists(model_file):
                 raise _missing_partial(model_file, os.path.join(directory, "model"), what)
             msd = _load_weights(model_file, "cpu", weights_only)

@@ -154,7 +154,8 @@ def load_full_model_state_dict(wrapped: FSDP, sd: Dict[str, Any], strict: bool =
 
 def _param_names(wrapped: FSDP, optimizer: torch.optim.Optimizer) -> List[str]:
     """The optimizer's parameters' names, in torch's state-dict index order."""
-    names = {id(p): n for n, p in wrapped.named_parameters()}
+    # The user's module's names (FSDP's own carry its wrapper's prefix).
+    names = {id(p): n for n, p in wrapped.module.named_parameters()}
     out = []
     for g in optimizer.param_groups:
         for p in g["params"]:
