@@ -525,8 +525,9 @@ def _check_sharded_data_parallel(v: Dict[str, Any], src: Dict[str, str], world_s
         if bad:
             raise SMPConfigError(f"{head} cannot be combined with {key!r}={v[key]!r}"
                                  f"{_where(src.get(key, ''))}: {why}")
-    for key in ("tensor_parallel_degree", "fp16", "bf16"):
-        if v[key] not in (1, False):
+    for key, bad in (("tensor_parallel_degree", v["tensor_parallel_degree"] > 1),
+                     ("fp16", v["fp16"]), ("bf16", v["bf16"])):
+        if bad:
             raise SMPUnsupportedError(
                 f"{head} with {key!r}={v[key]!r}{_where(src.get(key, ''))} is not supported by "
                 f"smshim yet; remove {key!r} or set 'sharded_data_parallel_degree' to 1")
