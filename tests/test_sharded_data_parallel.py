@@ -5,6 +5,8 @@ Every distributed job must end where one process training on the same global bat
 with SGD and Adam, microbatches accumulated inside the step, sdp_gradient_clipping applied before
 every step; clip_master_grads gives torch's norm; partial and full checkpoints resume exactly and
 the full one loads into the plain module; bad combinations fail on every rank naming the keys.
+bf16 computes in bf16 on fp32 shards (close to, not equal to, fp32 training); an fp16 overflow
+skips the step on every rank and lowers the dynamic loss scale.
 """
 
 import os
@@ -188,6 +190,8 @@ def _bad_init(cfg):
      ["'sharded_data_parallel_degree'=2", "'pipeline_parallel_degree'=2"]),
     ({"ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
      ["'sharded_data_parallel_degree'=2", "'shard_optimizer_state'=True"]),
+    ({"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
+     ["'sharded_data_parallel_degree'=2", "'tensor_parallel_degree'=2"]),
     ({"ddp": True, "sharded_data_parallel_degree": 4},
      ["'sharded_data_parallel_degree'=4", "world size 2"]),
 ])
@@ -195,3 +199,55 @@ def test_bad_combination_names_the_keys_on_every_rank(cfg, keys):
     res = run_ranks(_bad_init, 2, cfg, timeout=60)
     for msg in res:
         assert msg is not None and all(k in msg for k in keys), msg
+
+
+def _mixed_job(cfg, steps, opt_kwargs):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    model = smp.DistributedModel(_model())
+    opt = smp.DistributedOptimizer(_optimizer("sgd", model.parameters()), **opt_kwargs)
+
+    seen = []
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x)
+        seen.append(str(out.dtype))
+        loss = F.cross_entropy(out.float(), y)
+        model.backward(loss)
+        return loss
+
+    n, r = smp.dp_size(), smp.dp_rank()
+    k = BATCH // n
+    trace = []
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        train_step(model, x[r * k:(r + 1) * k], y[r * k:(r + 1) * k])
+        opt.step()
+        trace.append((seen[-1], bool(opt.overflow),
+                      opt.loss_scaler.scale if opt.loss_scaler else None))
+    return {"full": model.state_dict(), "trace": trace,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def test_bf16_computes_in_bf16_on_fp32_shards():
+    cfg = dict(_cfg(2), bf16=True)
+    res = run_ranks(_mixed_job, 2, cfg, 3, {}, timeout=TIMEOUT)
+    assert res[0]["dtypes"] == ["torch.float32"]  # the shards are the fp32 master weights
+    assert all(t[0] == "torch.bfloat16" and not t[1] for t in res[0]["trace"]), res[0]["trace"]
+    want, _ = _reference("sgd", 3)
+    worst = max((res[0]["full"][n] - want[n]).abs().max().item() for n in want)
+    assert 0 < worst < 2e-2, worst  # bf16 rounding, not another training
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank():
+    # A dynamic loss scale of 2**40 overflows fp16 in the first backward: the step is skipped
+    # on every rank (the weights stay the initial ones) and the scale halves.
+    cfg = dict(_cfg(2), fp16=True)
+    res = run_ranks(_mixed_job, 4, cfg, 1, {"dynamic_loss_scale": True,
+                                           "dynamic_loss_args": {"init_scale": 2.0 ** 40}},
+                    timeout=TIMEOUT)
+    for r in res:
+        assert r["trace"] == [("torch.float16", True, 2.0 ** 39)], r["trace"]
+    _assert_close(res[0]["full"], _model().state_dict(), "after the skipped step")

@@ -60,7 +60,6 @@ BAD = [
     ("sdp-shard-optimizer-state", {"ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, None, SMPConfigError, ["'sharded_data_parallel_degree'=2", "'shard_optimizer_state'=True"]),
     ("sdp-world", {"ddp": True, "sharded_data_parallel_degree": 4}, None, SMPConfigError, ["'sharded_data_parallel_degree'=4", "world size 2"]),
     ("sdp-tp", {"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'=2", "'tensor_parallel_degree'=2"]),
-    ("sdp-bf16", {"ddp": True, "sharded_data_parallel_degree": 2, "bf16": True}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'=2", "'bf16'=True"]),
     # The no-effect knobs are still validated (issue 35).
     ("type-offload", {"ddp": True, "offload_activations": 1}, None, SMPConfigError, ["'offload_activations'", "bool"]),
     ("type-delayed", {"ddp": True, "delayed_parameter_initialization": "yes"}, None, SMPConfigError, ["'delayed_parameter_initialization'", "bool"]),

@@ -40,7 +40,8 @@ because accepting them would silently change the meaning of training:
   horovod.
 sharded_data_parallel_degree k > 1 runs the model under torch's FSDP (sharded_data_parallel/):
 needs ddp, pipeline_parallel_degree 1, no shard_optimizer_state, a world size that k divides;
-with tensor parallelism or fp16/bf16 it is rejected (SMPUnsupportedError) for now. Its
+with tensor parallelism it is rejected (SMPUnsupportedError) for now; fp16/bf16 compute in that
+dtype on fp32 shards (FSDP MixedPrecision). Its
 sdp_gradient_clipping is the threshold the optimizer clips the global gradient norm to before
 every step (0 turns it off); the other sdp_* keys tune SageMaker's engine (no effect here).
 Accepted with any valid value, because they cannot change results here:
@@ -506,7 +507,7 @@ def _check_sharded_data_parallel(v: Dict[str, Any], src: Dict[str, str], world_s
     """sharded_data_parallel_degree k > 1 (FSDP, sharded_data_parallel/fsdp.py): the data-parallel
     ranks form replicas of k shards, so it needs ddp and a world of k x replicas; SMP v1 runs it
     without pipeline parallelism and instead of shard_optimizer_state. Not implemented here yet:
-    with tensor parallelism or fp16/bf16."""
+    with tensor parallelism."""
     k = v["sharded_data_parallel_degree"]
     if k == 1:
         return
@@ -525,8 +526,7 @@ def _check_sharded_data_parallel(v: Dict[str, Any], src: Dict[str, str], world_s
         if bad:
             raise SMPConfigError(f"{head} cannot be combined with {key!r}={v[key]!r}"
                                  f"{_where(src.get(key, ''))}: {why}")
-    for key, bad in (("tensor_parallel_degree", v["tensor_parallel_degree"] > 1),
-                     ("fp16", v["fp16"]), ("bf16", v["bf16"])):
+    for key, bad in (("tensor_parallel_degree", v["tensor_parallel_degree"] > 1),):
         if bad:
             raise SMPUnsupportedError(
                 f"{head} with {key!r}={v[key]!r}{_where(src.get(key, ''))} is not supported by "

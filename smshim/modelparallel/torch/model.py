@@ -75,8 +75,11 @@ class DistributedModel(nn.Module):
         # Modules marked for tensor parallelism become their smp.nn versions now, before the
         # optimizer (built from model.parameters()) and the partitioner see them.
         module = tensor_parallel.distribute(module)
-        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py).
-        cast_model(module, config_dtype(state.cfg))
+        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py);
+        # sharded data parallelism keeps fp32 shards and lets FSDP cast for compute.
+        sharded = state.cfg.sharded_data_parallel_degree > 1
+        cast_model(module, torch.float32 if sharded and config_dtype(state.cfg) else
+                   config_dtype(state.cfg))
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -127,7 +130,7 @@ class DistributedModel(nn.Module):
         else:
             self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
             module.to(self._device)
-            if state.cfg.sharded_data_parallel_degree > 1:
+            if sharded:
                 self._setup_sharded_data_parallel()
             else:
                 self._setup_data_parallel()
@@ -385,7 +388,7 @@ class DistributedModel(nn.Module):
         layout = sdp.ShardLayout(state.cfg.sharded_data_parallel_degree, topo.size, topo.rank)
         self.__dict__["_sdp_layout"] = layout
         self.__dict__["_sdp_module"] = sdp.wrap(self.module, layout, self._device,
-                                                _runtime.timeout())
+                                                _runtime.timeout(), config_dtype(state.cfg))
 
     # ---- data parallelism across pipeline replicas (ddp: true) -------------------------------
     def _setup_data_parallel(self) -> None:

@@ -166,6 +166,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         require_init("DistributedOptimizer.clip_master_grads")
         if self._sdp_module() is not None:  # sharded: FSDP's exact norm over the shards
             self.__dict__["_clipped"] = True
+            if self._sdp_unscale():
+                return float("inf")
             return sdp.clip_grad_norm(self._sdp_module(), max_norm, norm_type)
         if self._unscale_and_check():
             return float("inf")
@@ -208,9 +210,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self.__dict__.pop("_clipped", False) and limit > 0:
             sdp.clip_grad_norm(self._sdp_module(), limit)
 
+    def _sdp_unscale(self) -> bool:
+        """Sharded data parallelism with a loss scale (fp16/bf16): unscale this step's fp32
+        gradient shards once and agree with every rank on overflow."""
+        if self.loss_scaler is None:
+            return False
+        if not self._unscaled:
+            self._unscaled = True
+            local = sdp.unscale_and_check(self._local_params(), 1.0 / self.loss_scaler.scale)
+            self._found_inf = bool(agree_found_inf(1.0 if local else 0.0, CommGroup.WORLD))
+        return self._found_inf
+
+    def _sdp_step(self, closure: Optional[Callable[[], float]]) -> Any:
+        """The step of FSDP's fp32 shards: unscale and check (fp16/bf16), clip to
+        sdp_gradient_clipping, step unless some rank overflowed."""
+        try:
+            self.overflow = self._sdp_unscale()
+            if self.overflow:
+                self.__dict__.pop("_clipped", None)
+                logger.info("DistributedOptimizer: gradient overflow (inf/NaN) on some rank; "
+                            "step skipped (loss scale %s)", self.loss_scaler.scale)
+                result = None
+            else:
+                self._sdp_clip()
+                result = self.optimizer.step(closure) if closure is not None \
+                    else self.optimizer.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(self.overflow)
+        finally:
+            self._unscaled = False
+        return result
+
     def step(self, closure: Optional[Callable[[], float]] = None):
         if self._sdp_module() is not None:
-            self._sdp_clip()
+            return self._sdp_step(closure)
         plan = self._plan()
         mixed = self._mixed()
         if not mixed and plan is None:

@@ -30,7 +30,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                                    ShardingStrategy, StateDictType)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from smshim.modelparallel.torch.errors import SMPValidationError
@@ -83,9 +84,11 @@ def make_groups(layout: ShardLayout, timeout: Any) -> Tuple[Any, Optional[Any]]:
     return shard, replicate
 
 
-def wrap(module: nn.Module, layout: ShardLayout, device: torch.device, timeout: Any) -> FSDP:
+def wrap(module: nn.Module, layout: ShardLayout, device: torch.device, timeout: Any,
+         compute_dtype: Optional[torch.dtype] = None) -> FSDP:
     """The module as one FSDP unit sharded over its replica's k ranks, starting from rank 0's
-    values. A collective: every rank calls it."""
+    values, computing in `compute_dtype` (None: the parameters' own). A collective: every rank
+    calls it."""
     shard, replicate = make_groups(layout, timeout)
     hybrid = replicate is not None
     kwargs: Dict[str, Any] = dict(
@@ -93,6 +96,12 @@ def wrap(module: nn.Module, layout: ShardLayout, device: torch.device, timeout: 
         process_group=(shard, replicate) if hybrid else shard,
         use_orig_params=True,
     )
+    if compute_dtype is not None:
+        # fp16/bf16: fp32 shards (the master weights), forward and backward in compute_dtype,
+        # gradients reduced and kept in fp32 (as SMP's fp32 master gradients).
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=compute_dtype,
+                                                   reduce_dtype=torch.float32,
+                                                   buffer_dtype=compute_dtype)
     if device.type == "cpu":
         kwargs["device_id"] = torch.device("cpu")
     else:
@@ -257,3 +266,15 @@ def load_local_optim_state_dict(optimizer: torch.optim.Optimizer, sd: Dict[str, 
                                 layout: ShardLayout) -> None:
     check_local(sd, layout, "the partial optimizer state dict")
     optimizer.load_state_dict({k: v for k, v in sd.items() if not k.startswith("_smp_")})
+
+
+def unscale_and_check(params: List[torch.Tensor], inv_scale: float) -> bool:
+    """Divide this rank's gradient shards by the loss scale; True if one is inf/NaN here."""
+    found = False
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                if inv_scale != 1.0:
+                    p.grad.mul_(inv_scale)
+                found = found or not bool(torch.isfinite(p.grad).all())
+    return found
