@@ -251,3 +251,34 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
     for r in res:
         assert r["trace"] == [("torch.float16", True, 2.0 ** 39)], r["trace"]
     _assert_close(res[0]["full"], _model().state_dict(), "after the skipped step")
+
+
+def _checkpointed_job(cfg, steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    net = _model()
+    model = smp.DistributedModel(net)
+    smp.set_activation_checkpointing(net.fc1)
+    smp.set_activation_checkpointing(net.norm)
+    opt = smp.DistributedOptimizer(_optimizer("adam", model.parameters()))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    n, r = smp.dp_size(), smp.dp_rank()
+    k = BATCH // n
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        train_step(model, x[r * k:(r + 1) * k], y[r * k:(r + 1) * k])
+        opt.step()
+    return model.state_dict()
+
+
+def test_activation_checkpointing_inside_the_sharded_model():
+    res = run_ranks(_checkpointed_job, 4, _cfg(2, m=2), 3, timeout=TIMEOUT)
+    want, _ = _reference("adam", 3)
+    _assert_close(res[0], want, "sdp 2 x 2 replicas with checkpointed fc1 and norm")

@@ -491,6 +491,12 @@ class DistributedModel(nn.Module):
         if state.topology.dp_size == 1:
             yield  # no data parallelism: nothing to even out
             return
+        if self._sdp_module is not None:
+            raise SMPUnsupportedError(
+                f"rank {state.topology.rank}: DistributedModel.join() with "
+                f"sharded_data_parallel_degree {state.cfg.sharded_data_parallel_degree} is not "
+                "supported by smshim; give every data-parallel rank the same number of batches "
+                "(drop_last=True)")
         if state.topology.tp_size > 1:
             raise SMPUnsupportedError(
                 f"rank {state.topology.rank}: DistributedModel.join() with "
@@ -523,6 +529,11 @@ class DistributedModel(nn.Module):
 
     def register_comm_hook(self, state_: Any, hook: Callable) -> None:
         """torch DDP's communication hook, for the DP-group gradient reduction (ddp: true)."""
+        if self._sdp_module is not None:
+            raise SMPUnsupportedError(
+                f"rank {state.topology.rank}: register_comm_hook with "
+                f"sharded_data_parallel_degree {state.cfg.sharded_data_parallel_degree}: FSDP "
+                "reduces the gradients, not smp's DDP reducer; remove the hook")
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook: a communication hook is already registered")
         self._comm_hook = (state_, hook)
