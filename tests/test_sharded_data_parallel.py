@@ -282,3 +282,42 @@ def test_activation_checkpointing_inside_the_sharded_model():
     res = run_ranks(_checkpointed_job, 4, _cfg(2, m=2), 3, timeout=TIMEOUT)
     want, _ = _reference("adam", 3)
     _assert_close(res[0], want, "sdp 2 x 2 replicas with checkpointed fc1 and norm")
+
+
+def _smp_save_job(cfg, path):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(cfg)
+    model = smp.DistributedModel(_model())
+    opt = smp.DistributedOptimizer(_optimizer("adam", model.parameters()))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = _batches(1)[0]
+    k = BATCH // smp.dp_size()
+    r = smp.dp_rank()
+    train_step(model, x[r * k:(r + 1) * k], y[r * k:(r + 1) * k])
+    opt.step()
+    # smp.save / smp.load of the local state dicts, as Hugging Face's Trainer resumes.
+    smp.save(model.local_state_dict(), f"{path}/model", partial=True)
+    smp.save(opt.local_state_dict(), f"{path}/optimizer", partial=True)
+    smp.barrier()
+    before = model.state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(smp.load(f"{path}/model", partial=True))
+    opt.load_state_dict(smp.load(f"{path}/optimizer", partial=True))
+    return before, model.state_dict(), sorted(os.listdir(path)) if smp.rank() == 0 else None
+
+
+def test_smp_save_and_load_of_local_state_dicts(tmp_path):
+    res = run_ranks(_smp_save_job, 2, _cfg(2), str(tmp_path), timeout=TIMEOUT)
+    before, after, files = res[0]
+    _assert_close(after, before, "smp.load of smp.save(model.local_state_dict())")
+    assert files == ["model_0_0_sdp0", "model_0_0_sdp1", "optimizer_0_0_sdp0",
+                     "optimizer_0_0_sdp1"], files

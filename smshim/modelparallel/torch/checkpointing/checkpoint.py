@@ -196,14 +196,17 @@ def _run_checked(what: str, fn: Callable[[], Any]) -> Any:
 def _partial_name(f: PathLike, v3: bool = False) -> str:
     topo = state.topology
     name = f"{os.fspath(f)}_{topo.pp_rank}_{topo.tp_rank}"
-    return f"{name}_{topo.rdp_rank}" if v3 else name
+    if v3:
+        return f"{name}_{topo.rdp_rank}"
+    layout = _sdp_layout()  # sharded data parallelism: one file per shard
+    return f"{name}_sdp{layout.shard_rank}" if layout is not None else name
 
 
 def save(obj: Any, f: PathLike, partial: bool = True, pickle_module: Any = pickle,
          pickle_protocol: int = 2, v3: bool = False) -> None:
     """Save `obj`. partial=True: every calling rank writes `f"{f}_{pp_rank}_{tp_rank}"` (with
-    v3, `_{rdp_rank}` appended: one file per rank of a sharded state); normally called on the
-    rdp_rank 0 ranks. partial=False: rank 0 writes `f`. Not a collective."""
+    v3, `_{rdp_rank}` appended: one file per rank of a sharded state; with sharded data
+    parallelism `_sdp{shard_rank}`); normally called on the rdp_rank 0 ranks. partial=False: rank 0 writes `f`. Not a collective."""
     require_init("smp.save")
     if partial:
         target = _partial_name(f, v3)
