@@ -161,7 +161,9 @@ def test_checkpoint_resumes_exactly(tmp_path, partial):
         ref_opt = _optimizer("adam", plain.parameters())
         ref_opt.load_state_dict(osd)  # torch's own format, index-keyed
         assert sorted(osd["state"]) == list(range(len(list(plain.parameters()))))
-    res = run_ranks(_job, 4, _cfg(2), "adam", 4, 2, None, (path, partial), timeout=TIMEOUT)
+    # A full checkpoint loads at any degree: resumed at sdp 4 (FULL_SHARD over the 4 ranks).
+    resume_cfg = _cfg(2) if partial else _cfg(4)
+    res = run_ranks(_job, 4, resume_cfg, "adam", 4, 2, None, (path, partial), timeout=TIMEOUT)
     want, _ = _reference("adam", 4)
     _assert_close(res[0]["full"], want, f"resumed from a {'partial' if partial else 'full'} "
                                         "checkpoint")
