@@ -54,9 +54,12 @@ BAD = [
     ("mp-fp16-bf16-env", {"partitions": 2, "fp16": True}, '{"bf16": true}', SMPConfigError, ["'fp16'", "'bf16'", ENV]),
     ("mp-fp16-params", {"partitions": 2, "fp16_params": True}, None, SMPConfigError, ["'fp16_params'", "'fp16'"]),
     ("dep-shard-ddp", {"partitions": 2, "shard_optimizer_state": True}, None, SMPConfigError, ["'shard_optimizer_state'", "'ddp'"]),
-    ("adv-env", {"ddp": True}, '{"sharded_data_parallel_degree": 2}', SMPUnsupportedError, ["'sharded_data_parallel_degree'", ENV]),
+    ("sdp-env-needs-ddp", {"ddp": True}, '{"sharded_data_parallel_degree": 2, "ddp": false}', SMPConfigError, ["world size 2", "ddp"]),
+    ("sdp-env-pp", {"ddp": True, "partitions": 2}, '{"sharded_data_parallel_degree": 2}', SMPConfigError, ["'sharded_data_parallel_degree'=2", ENV, "'pipeline_parallel_degree'=2"]),
     ("adv-horovod", {"partitions": 2, "horovod": True}, None, SMPUnsupportedError, ["'horovod'"]),
-    ("adv-sdp", {"ddp": True, "sharded_data_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'", "FSDP"]),
+    ("sdp-shard-optimizer-state", {"ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, None, SMPConfigError, ["'sharded_data_parallel_degree'=2", "'shard_optimizer_state'=True"]),
+    ("sdp-world", {"ddp": True, "sharded_data_parallel_degree": 4}, None, SMPConfigError, ["'sharded_data_parallel_degree'=4", "world size 2"]),
+    ("sdp-tp", {"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, None, SMPUnsupportedError, ["'sharded_data_parallel_degree'=2", "'tensor_parallel_degree'=2"]),
     # The no-effect knobs are still validated (issue 35).
     ("type-offload", {"ddp": True, "offload_activations": 1}, None, SMPConfigError, ["'offload_activations'", "bool"]),
     ("type-delayed", {"ddp": True, "delayed_parameter_initialization": "yes"}, None, SMPConfigError, ["'delayed_parameter_initialization'", "bool"]),
@@ -204,6 +207,15 @@ def test_every_smp_v1_key_is_accepted(caplog):
     for key in config_mod.NO_EFFECT:
         assert f"{key}=" in lines[0], (key, lines[0])
     assert resolve_config(AWS_GPT2_CONFIG, 4, env={}).ddp
+
+
+def test_sharded_data_parallel_accepted():
+    # k == world (FULL_SHARD) and k < world (HYBRID_SHARD over world // k replicas).
+    for k, world in ((2, 2), (2, 4), (4, 4)):
+        cfg = resolve_config({"ddp": True, "sharded_data_parallel_degree": k}, world, env={})
+        assert cfg.sharded_data_parallel_degree == k and cfg.sdp_gradient_clipping == 1.0
+    cfg = resolve_config({"ddp": True}, 4, env={ENV: '{"sharded_data_parallel_degree": 2}'})
+    assert cfg.sharded_data_parallel_degree == 2
 
 
 def test_world_size_errors_name_the_numbers():

@@ -37,8 +37,13 @@ TP ranks of a group hold different batches that the distributed modules gather; 
 the same batch (with tp = 1 it changes nothing, since rdp == dp). Rejected with
 SMPUnsupportedError (a NotImplementedError) naming the key when set to a non-default value,
 because accepting them would silently change the meaning of training:
-  sharded_data_parallel_degree > 1 (sharded data parallelism comes with the FSDP issue),
   horovod.
+sharded_data_parallel_degree k > 1 runs the model under torch's FSDP (sharded_data_parallel/):
+needs ddp, pipeline_parallel_degree 1, no shard_optimizer_state, a world size that k divides;
+with tensor parallelism it is rejected (SMPUnsupportedError) for now; fp16/bf16 compute in that
+dtype on fp32 shards (FSDP MixedPrecision). Its
+sdp_gradient_clipping is the threshold the optimizer clips the global gradient norm to before
+every step (0 turns it off); the other sdp_* keys tune SageMaker's engine (no effect here).
 Accepted with any valid value, because they cannot change results here:
   contiguous (our partitions are always contiguous, which is one valid outcome of either
   setting), tensor_parallel_seed (smp.nn shards are cut from a full initialisation drawn from
@@ -50,8 +55,7 @@ of SageMaker's own engine (`NO_EFFECT`); their types and ranges are still valida
   (activations kept on the device instead of offloaded to host memory: the same values),
   delayed_parameter_initialization (parameters are created where the module is built; the values
   come from the same RNG draws), and the sharded-data-parallel tuning keys sdp_reduce_bucket_size,
-  sdp_param_persistence_threshold, sdp_max_live_parameters, sdp_hierarchical_allgather,
-  sdp_gradient_clipping (only read with sharded_data_parallel_degree > 1, which is rejected).
+  sdp_param_persistence_threshold, sdp_max_live_parameters, sdp_hierarchical_allgather.
 The "count" keys (sdp sizes) are documented with defaults such as 5e8, so an integral float (as
 Python and JSON write 5e8) is accepted and stored as an int.
 """
@@ -171,8 +175,6 @@ _NONE_MEANS_DEFAULT = ("memory_weight", "active_microbatches", "ddp_port")
 
 # Adv keys rejected when not at their default: key -> what it would need.
 _UNSUPPORTED = {
-    "sharded_data_parallel_degree": "sharded data parallelism (planned with the FSDP issue; "
-                                    "until then use shard_optimizer_state with ddp)",
     "horovod": "Horovod as the data-parallel engine (use \"ddp\": True)",
 }
 
@@ -182,7 +184,6 @@ NO_EFFECT: Tuple[str, ...] = (
     "fast_mode", "static_mode", "skip_tracing", "offload_activations",
     "activation_loading_horizon", "delayed_parameter_initialization", "sdp_reduce_bucket_size",
     "sdp_param_persistence_threshold", "sdp_max_live_parameters", "sdp_hierarchical_allgather",
-    "sdp_gradient_clipping",
 )
 # Which (key, value) pairs this process has logged already: smp.init may run several times
 # (smp.reset, tests), and the message says nothing new the second time.
@@ -498,4 +499,40 @@ def resolve_config(user: Optional[Mapping[str, Any]] = None, world_size: int = 1
     _log_no_effect(given, src)
 
     _check_world_size(v, world_size, _provenance(user, env), launcher)
+    _check_sharded_data_parallel(v, src, world_size)
     return SMPConfig(**v)
+
+
+def _check_sharded_data_parallel(v: Dict[str, Any], src: Dict[str, str], world_size: int) -> None:
+    """sharded_data_parallel_degree k > 1 (FSDP, sharded_data_parallel/fsdp.py): the data-parallel
+    ranks form replicas of k shards, so it needs ddp and a world of k x replicas; SMP v1 runs it
+    without pipeline parallelism and instead of shard_optimizer_state. Not implemented here yet:
+    with tensor parallelism."""
+    k = v["sharded_data_parallel_degree"]
+    if k == 1:
+        return
+    where = _where(src.get("sharded_data_parallel_degree", ""))
+    head = f"smp config: 'sharded_data_parallel_degree'={k}{where}"
+    if not v["ddp"]:
+        raise SMPConfigError(f"{head} needs 'ddp'=True (the sharded ranks are data-parallel "
+                             "ranks); set \"ddp\": true")
+    for key, bad, why in (
+            ("pipeline_parallel_degree", v["pipeline_parallel_degree"] > 1,
+             "sharded data parallelism runs without pipeline parallelism; set "
+             "'pipeline_parallel_degree' to 1 or 'sharded_data_parallel_degree' to 1"),
+            ("shard_optimizer_state", v["shard_optimizer_state"],
+             "sharded data parallelism already shards the optimizer state; remove "
+             "'shard_optimizer_state'")):
+        if bad:
+            raise SMPConfigError(f"{head} cannot be combined with {key!r}={v[key]!r}"
+                                 f"{_where(src.get(key, ''))}: {why}")
+    for key, bad in (("tensor_parallel_degree", v["tensor_parallel_degree"] > 1),):
+        if bad:
+            raise SMPUnsupportedError(
+                f"{head} with {key!r}={v[key]!r}{_where(src.get(key, ''))} is not supported by "
+                f"smshim yet; remove {key!r} or set 'sharded_data_parallel_degree' to 1")
+    if world_size % k != 0:
+        raise SMPConfigError(
+            f"{head}: the world size {world_size} is not a multiple of it (the ranks form "
+            f"replicas of {k} shards); launch a multiple of {k} processes or change "
+            "'sharded_data_parallel_degree'")

@@ -35,6 +35,7 @@ from smshim.modelparallel.torch.pipeline import channels
 from smshim.modelparallel.torch.pipeline.pipeline import Pipeline
 from smshim.reducer.grad_reducer import GradReducer
 from smshim.modelparallel.torch.pipeline.context import ctx
+from smshim.modelparallel.torch.sharded_data_parallel import fsdp as sdp
 from smshim.modelparallel.torch.state import require_init, state
 from smshim.timeline.recorder import from_env as _timeline_from_env
 
@@ -74,8 +75,11 @@ class DistributedModel(nn.Module):
         # Modules marked for tensor parallelism become their smp.nn versions now, before the
         # optimizer (built from model.parameters()) and the partitioner see them.
         module = tensor_parallel.distribute(module)
-        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py).
-        cast_model(module, config_dtype(state.cfg))
+        # fp16/bf16: every stage runs the model in the reduced dtype (mixed_precision.py);
+        # sharded data parallelism keeps fp32 shards and lets FSDP cast for compute.
+        sharded = state.cfg.sharded_data_parallel_degree > 1
+        cast_model(module, torch.float32 if sharded and config_dtype(state.cfg) else
+                   config_dtype(state.cfg))
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -104,6 +108,9 @@ class DistributedModel(nn.Module):
         self._timeline = _timeline_from_env(topo.rank)
         self._groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         self._pair_groups: Optional[Dict[Tuple[int, int], dist.ProcessGroup]] = None
+        # sharded_data_parallel_degree > 1: the module under FSDP, kept out of the submodules
+        # (self.module stays the user's module, holding the same Parameter objects).
+        self.__dict__["_sdp_module"] = None
         if self._pp_size > 1:
             # CUDA tensors' own groups (channels.py): NCCL when each rank has a GPU of its own.
             pair_backend = channels.channel_backend(_devices.device_backend(), os.environ)
@@ -123,7 +130,10 @@ class DistributedModel(nn.Module):
         else:
             self._assignment = {name: 0 for name, _ in module.named_modules(remove_duplicate=False)}
             module.to(self._device)
-            self._setup_data_parallel()
+            if sharded:
+                self._setup_sharded_data_parallel()
+            else:
+                self._setup_data_parallel()
         state.model = self
         self._reset_handle = state.register_reset_callback(self._on_reset)
 
@@ -201,7 +211,8 @@ class DistributedModel(nn.Module):
             raise FwdExecutionNotInStepFnError(
                 "with pipeline_parallel_degree > 1 the DistributedModel can only be called inside "
                 "an @smp.step function")
-        return self.module(*args, **kwargs)
+        wrapped = self._sdp_module
+        return (self.module if wrapped is None else wrapped)(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Replaces `loss.backward()` inside an @smp.step function."""
@@ -365,6 +376,20 @@ class DistributedModel(nn.Module):
         for fn in list(self._post_partition_hooks):
             fn(self, state.optimizer)
 
+    # ---- sharded data parallelism (sharded_data_parallel_degree > 1) ----------------------
+    @property
+    def sdp_layout(self) -> Optional["sdp.ShardLayout"]:
+        """Where this rank sits among the shards, or None without sharded data parallelism."""
+        return self.__dict__.get("_sdp_layout")
+
+    def _setup_sharded_data_parallel(self) -> None:
+        """The module under FSDP, sharded over replicas of k ranks (sharded_data_parallel/)."""
+        topo = state.topology
+        layout = sdp.ShardLayout(state.cfg.sharded_data_parallel_degree, topo.size, topo.rank)
+        self.__dict__["_sdp_layout"] = layout
+        self.__dict__["_sdp_module"] = sdp.wrap(self.module, layout, self._device,
+                                                _runtime.timeout(), config_dtype(state.cfg))
+
     # ---- data parallelism across pipeline replicas (ddp: true) -------------------------------
     def _setup_data_parallel(self) -> None:
         """Make the replicas' copies of this partition identical and build its gradient reducers
@@ -466,6 +491,12 @@ class DistributedModel(nn.Module):
         if state.topology.dp_size == 1:
             yield  # no data parallelism: nothing to even out
             return
+        if self._sdp_module is not None:
+            raise SMPUnsupportedError(
+                f"rank {state.topology.rank}: DistributedModel.join() with "
+                f"sharded_data_parallel_degree {state.cfg.sharded_data_parallel_degree} is not "
+                "supported by smshim; give every data-parallel rank the same number of batches "
+                "(drop_last=True)")
         if state.topology.tp_size > 1:
             raise SMPUnsupportedError(
                 f"rank {state.topology.rank}: DistributedModel.join() with "
@@ -498,6 +529,11 @@ class DistributedModel(nn.Module):
 
     def register_comm_hook(self, state_: Any, hook: Callable) -> None:
         """torch DDP's communication hook, for the DP-group gradient reduction (ddp: true)."""
+        if self._sdp_module is not None:
+            raise SMPUnsupportedError(
+                f"rank {state.topology.rank}: register_comm_hook with "
+                f"sharded_data_parallel_degree {state.cfg.sharded_data_parallel_degree}: FSDP "
+                "reduces the gradients, not smp's DDP reducer; remove the hook")
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook: a communication hook is already registered")
         self._comm_hook = (state_, hook)
@@ -509,17 +545,33 @@ class DistributedModel(nn.Module):
                    keep_vars: bool = False) -> Dict[str, Any]:
         """The full model state, keys as the unwrapped module's, tensors on the CPU. With pp > 1
         after partitioning it is gathered over the PP group, and with tensor parallelism the
-        shards over the TP group: call it on every rank of the MP group (rdp_rank 0)."""
+        shards over the TP group: call it on every rank of the MP group (rdp_rank 0). With
+        sharded data parallelism it is gathered over every rank (call it on all) onto rank 0."""
+        if self._sdp_module is not None:
+            return sdp.full_model_state_dict(self._sdp_module)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars)
 
     def local_state_dict(self) -> Dict[str, Any]:
         """This rank's entries of the full state dict, with `_smp_is_partial: True` and the pp
-        degree, pp rank and partition it was saved under."""
+        degree, pp rank and partition it was saved under. With sharded data parallelism: this
+        rank's shard, marked with the degree and shard rank."""
+        if self._sdp_module is not None:
+            return sdp.local_model_state_dict(self.module, self.sdp_layout)
         return state_dicts.model_local_state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
         """Load a full or partial (`_smp_is_partial`) state dict; each rank takes its local
-        entries. A partial dict given before partitioning is applied right after it."""
+        entries. A partial dict given before partitioning is applied right after it. With
+        sharded data parallelism a full dict is loaded on every rank (each keeps its shard)."""
+        if self._sdp_module is not None:
+            if sdp.SDP_KEY in state_dict:
+                return sdp.load_local_model_state_dict(self.module, state_dict, self.sdp_layout,
+                                                       strict)
+            if state_dict.get(sdp.PARTIAL_KEY):
+                raise SMPRuntimeError(
+                    f"rank {state.topology.rank}: this partial state dict was saved without "
+                    "sharded data parallelism; load a full one (partial=False)")
+            return sdp.load_full_model_state_dict(self._sdp_module, state_dict, strict)
         return state_dicts.model_load_state_dict(self, state_dict, strict)
 
     def cpu(self) -> "DistributedModel":

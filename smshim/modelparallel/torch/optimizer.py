@@ -31,6 +31,7 @@ from smshim.modelparallel.torch.errors import SMPRuntimeError
 from smshim.modelparallel.torch.precision.loss_scaler import LossScaler, agree_found_inf, make_loss_scaler
 from smshim.modelparallel.torch.precision.mixed_precision import REDUCED, MasterWeights, config_dtype, upcast_state
 from smshim.modelparallel.torch.checkpointing.optimizer_sharding import SHARD_DP_RANK_KEY, SHARD_DP_SIZE_KEY, ShardPlan
+from smshim.modelparallel.torch.sharded_data_parallel import fsdp as sdp
 from smshim.modelparallel.torch.state import require_init, state
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         on the unpartitioned model would. Returns the norm (inf when the step overflowed, and
         then nothing is clipped: the step will be skipped). Call it on every rank."""
         require_init("DistributedOptimizer.clip_master_grads")
+        if self._sdp_module() is not None:  # sharded: FSDP's exact norm over the shards
+            self.__dict__["_clipped"] = True
+            if self._sdp_unscale():
+                return float("inf")
+            return sdp.clip_grad_norm(self._sdp_module(), max_norm, norm_type)
         if self._unscale_and_check():
             return float("inf")
         params = self._local_params()
@@ -193,7 +199,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     g.mul_(coef)
         return total
 
+    def _sdp_module(self) -> Any:
+        model = state.model
+        return None if model is None else model.__dict__.get("_sdp_module")
+
+    def _sdp_clip(self) -> None:
+        """Sharded data parallelism clips the global gradient norm to sdp_gradient_clipping
+        before every step (0: off), unless the script clipped this step's gradients itself."""
+        limit = state.cfg.sdp_gradient_clipping
+        if not self.__dict__.pop("_clipped", False) and limit > 0:
+            sdp.clip_grad_norm(self._sdp_module(), limit)
+
+    def _sdp_unscale(self) -> bool:
+        """Sharded data parallelism with a loss scale (fp16/bf16): unscale this step's fp32
+        gradient shards once and agree with every rank on overflow."""
+        if self.loss_scaler is None:
+            return False
+        if not self._unscaled:
+            self._unscaled = True
+            local = sdp.unscale_and_check(self._local_params(), 1.0 / self.loss_scaler.scale)
+            self._found_inf = bool(agree_found_inf(1.0 if local else 0.0, CommGroup.WORLD))
+        return self._found_inf
+
+    def _sdp_step(self, closure: Optional[Callable[[], float]]) -> Any:
+        """The step of FSDP's fp32 shards: unscale and check (fp16/bf16), clip to
+        sdp_gradient_clipping, step unless some rank overflowed."""
+        try:
+            self.overflow = self._sdp_unscale()
+            if self.overflow:
+                self.__dict__.pop("_clipped", None)
+                logger.info("DistributedOptimizer: gradient overflow (inf/NaN) on some rank; "
+                            "step skipped (loss scale %s)", self.loss_scaler.scale)
+                result = None
+            else:
+                self._sdp_clip()
+                result = self.optimizer.step(closure) if closure is not None \
+                    else self.optimizer.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(self.overflow)
+        finally:
+            self._unscaled = False
+        return result
+
     def step(self, closure: Optional[Callable[[], float]] = None):
+        if self._sdp_module() is not None:
+            return self._sdp_step(closure)
         plan = self._plan()
         mixed = self._mixed()
         if not mixed and plan is None:
@@ -259,18 +309,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._unscaled = False
+        self.__dict__.pop("_clipped", None)
         self._masters.drop_grads()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
         """The full optimizer state, indexed like a torch optimizer over the unwrapped module's
-        parameters. A collective over the PP group when pp > 1: call it on every pp rank."""
+        parameters. A collective over the PP group when pp > 1: call it on every pp rank. With
+        sharded data parallelism it is gathered over every rank (call it on all) onto rank 0."""
+        if self._sdp_module() is not None:
+            return sdp.full_optim_state_dict(self._sdp_module(), self.optimizer)
         return state_dicts.optimizer_state_dict(self)
 
     def local_state_dict(self, gather_if_shard: bool = True) -> Dict[str, Any]:
         """This rank's optimizer state (`_smp_is_partial` marker, pp degree and rank included).
         With shard_optimizer_state, `gather_if_shard` collects the replicas' shards (a collective
-        of the DP group: call it on every replica); False gives this replica's shard only."""
+        of the DP group: call it on every replica); False gives this replica's shard only.
+        With sharded data parallelism: this rank's shard, marked with the degree and shard rank."""
+        if self._sdp_module() is not None:
+            return sdp.local_optim_state_dict(self.optimizer, state.model.sdp_layout)
         return state_dicts.optimizer_local_state_dict(self, gather_if_shard)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -278,6 +335,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scaler = state_dict.get("_smp_loss_scaler") if isinstance(state_dict, dict) else None
         if scaler is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scaler)
+        if self._sdp_module() is not None:
+            if sdp.SDP_KEY in state_dict:
+                sdp.load_local_optim_state_dict(self.optimizer, state_dict, state.model.sdp_layout)
+            else:
+                sdp.load_full_optim_state_dict(self._sdp_module(), self.optimizer, state_dict)
+            return
         state_dicts.optimizer_load_state_dict(self, state_dict)
 
     def __getstate__(self) -> Dict[str, Any]:

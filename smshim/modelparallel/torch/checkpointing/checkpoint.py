@@ -196,14 +196,17 @@ def _run_checked(what: str, fn: Callable[[], Any]) -> Any:
 def _partial_name(f: PathLike, v3: bool = False) -> str:
     topo = state.topology
     name = f"{os.fspath(f)}_{topo.pp_rank}_{topo.tp_rank}"
-    return f"{name}_{topo.rdp_rank}" if v3 else name
+    if v3:
+        return f"{name}_{topo.rdp_rank}"
+    layout = _sdp_layout()  # sharded data parallelism: one file per shard
+    return f"{name}_sdp{layout.shard_rank}" if layout is not None else name
 
 
 def save(obj: Any, f: PathLike, partial: bool = True, pickle_module: Any = pickle,
          pickle_protocol: int = 2, v3: bool = False) -> None:
     """Save `obj`. partial=True: every calling rank writes `f"{f}_{pp_rank}_{tp_rank}"` (with
-    v3, `_{rdp_rank}` appended: one file per rank of a sharded state); normally called on the
-    rdp_rank 0 ranks. partial=False: rank 0 writes `f`. Not a collective."""
+    v3, `_{rdp_rank}` appended: one file per rank of a sharded state; with sharded data
+    parallelism `_sdp{shard_rank}`); normally called on the rdp_rank 0 ranks. partial=False: rank 0 writes `f`. Not a collective."""
     require_init("smp.save")
     if partial:
         target = _partial_name(f, v3)
@@ -280,9 +283,22 @@ def _v3_siblings(f: PathLike) -> List[str]:
 
 
 # Checkpoints ----------------------------------------------------------------------------------
-def _rank_files(directory: str) -> Tuple[str, str]:
+def _sdp_layout() -> Any:
+    """The model's shard layout under sharded data parallelism (None without it)."""
+    return getattr(state.model, "sdp_layout", None)
+
+
+def _rank_suffix() -> str:
+    """pp_rank_tp_rank, and the shard rank under sharded data parallelism (each shard's own
+    file, written by replica 0)."""
     topo = state.topology
-    suffix = f"{topo.pp_rank}_{topo.tp_rank}.pt"
+    layout = _sdp_layout()
+    shard = f"_sdp{layout.shard_rank}" if layout is not None else ""
+    return f"{topo.pp_rank}_{topo.tp_rank}{shard}.pt"
+
+
+def _rank_files(directory: str) -> Tuple[str, str]:
+    suffix = _rank_suffix()
     return (os.path.join(directory, f"model_{suffix}"),
             os.path.join(directory, f"optimizer_{suffix}"))
 
@@ -311,7 +327,7 @@ def _rotate(path: str, keep_tag: str, num_kept: int) -> None:
     included). Age = the modification time of this rank's own model/optimizer file there; each
     rank deletes only what it wrote, and the last one out removes the directory."""
     topo = state.topology
-    suffix = f"{topo.pp_rank}_{topo.tp_rank}.pt"
+    suffix = _rank_suffix()
     mine = [f"model_{suffix}", f"optimizer_{suffix}"] + ([USER_CONTENT] if topo.rank == 0 else [])
     aged = []
     for entry in os.listdir(path):
@@ -351,7 +367,10 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
             f"smp.save_checkpoint: num_kept_partial_checkpoints={num_kept_partial_checkpoints} "
             "must be >= 1 (or None to keep every checkpoint)")
     topo = state.topology
-    writer = topo.rdp_rank == 0
+    layout = _sdp_layout()
+    # Sharded data parallelism: replica 0's ranks each write their shard; the full state dicts
+    # are gathered by every rank.
+    writer = topo.rdp_rank == 0 if layout is None else layout.replica == 0
 
     def write_partial() -> None:
         directory = os.path.join(path, f"{tag}_partial")
@@ -376,9 +395,11 @@ def save_checkpoint(path: PathLike, tag: str, partial: bool = True, model: Any =
 
     def write_full() -> None:
         msd = osd = None
-        if getattr(optimizer, "shards_state", False):  # gathered over the replicas: everyone
-            osd = optimizer.state_dict()
-        if topo.rdp_rank == 0:  # the MP group of rank 0 gathers; other replicas hold copies
+        if getattr(optimizer, "shards_state", False) or (layout is not None and optimizer is not None):
+            osd = optimizer.state_dict()  # gathered over the replicas / shards: everyone
+        if layout is not None and model is not None:
+            msd = model.state_dict()  # gathered over the shards: everyone (onto rank 0)
+        if topo.rdp_rank == 0 and layout is None:  # the MP group of rank 0 gathers; other replicas hold copies
             msd = model.state_dict() if model is not None else None
             if optimizer is not None and osd is None:
                 osd = optimizer.state_dict()
@@ -460,6 +481,15 @@ def resume_from_checkpoint(path: PathLike, tag: Optional[str] = None, partial: b
                 raise FileNotFoundError(
                     f"{what}: {name!r}{' (named by newest)' if tag is None else ''} is a full "
                     f"checkpoint ({os.path.join(path, name)}); load it with partial=False")
+            layout = _sdp_layout()
+            if not os.path.exists(model_file) and layout is not None:
+                shards = glob.glob(os.path.join(glob.escape(directory), "model_*_sdp*.pt"))
+                raise FileNotFoundError(
+                    f"{what}: {model_file} does not exist: this rank holds shard "
+                    f"{layout.shard_rank} of sharded_data_parallel_degree {layout.degree}, and the "
+                    f"checkpoint has {len(shards)} shard file(s); a partial checkpoint loads only "
+                    "at the sharded_data_parallel_degree it was saved with (save a full one, "
+                    "partial=False, to change it)")
             if not os.path.exists(model_file):
                 raise _missing_partial(model_file, os.path.join(directory, "model"), what)
             msd = _load_weights(model_file, "cpu", weights_only)
