@@ -18,7 +18,9 @@ os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
 # ---- `-m "not slow"`: the quick part of the suite (single- and 2-process tests) ------------------
 # Slow: tests that start more than 2 processes, a launcher (mpirun, torchrun, `smshim run`), an
-# example script, or a sweep. A new test of that kind belongs in one of these lists.
+# example script, or a sweep. A test whose own code calls `run_ranks(fn, N, ...)` with a literal
+# N > 2 is found by itself; other such tests belong in one of the lists below.
+import inspect  # noqa: E402
 import re  # noqa: E402
 
 import pytest  # noqa: E402
@@ -39,7 +41,18 @@ SLOW_TESTS = re.compile("|".join([
 ]))
 
 
+_MANY_RANKS = re.compile(r"run_ranks\(\s*[\w.]+\s*,\s*([3-9]|\d\d+)\b")
+
+
+def _starts_many_ranks(item) -> bool:
+    try:
+        return bool(_MANY_RANKS.search(inspect.getsource(item.function)))
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_MODULES or SLOW_TESTS.search(item.nodeid):
+        if (item.path.name in SLOW_MODULES or SLOW_TESTS.search(item.nodeid)
+                or _starts_many_ranks(item)):
             item.add_marker(pytest.mark.slow)
