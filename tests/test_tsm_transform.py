@@ -121,7 +121,6 @@ def _tp_fsdp_train(kind, flavour, checkpointing=False):
     """TP over the fastest-varying mesh dim, FSDP1 (or fully_shard) over the data dim."""
     import functools
 
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -151,19 +150,8 @@ def _tp_fsdp_train(kind, flavour, checkpointing=False):
             model, check_fn=lambda m: type(m) in layer_cls,
             checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                     checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-    opt = tsm_models.optimizer(model)
     dp = mesh["dp"].get_local_rank()
-    losses, norms = [], []
-    for x in tsm_models.batches():
-        x = x.chunk(2)[dp]
-        opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(clip_grad_norm_(model, CLIP).item())
-        opt.step()
-        full = loss.detach().clone()
-        dist.all_reduce(full)
-        losses.append(full.item() / dist.get_world_size())
+    losses, norms = tsm_models.train_ranks(model, lambda x: x.chunk(2)[dp], clip_grad_norm_, CLIP)
     return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms}
 
 
@@ -270,17 +258,9 @@ def _cp_train(kind, comm_type, tp):
     model = apply(tsm_models.make(kind), tp_mesh=mesh["tp"] if tp > 1 else None,
                   cp_mesh=mesh["cp"], cp_comm_type=comm_type)
     model = FSDP(model, device_mesh=mesh["cp"], use_orig_params=True, device_id=torch.device("cpu"))
-    opt = tsm_models.optimizer(model)
     r = mesh["cp"].get_local_rank()
-    losses, norms = [], []
-    for x in tsm_models.batches():
-        x = split_for_cp(x, r, 2)
-        opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(clip_grad_norm_(model, CLIP).item())
-        opt.step()
-        losses.append(loss.item())
+    losses, norms = tsm_models.train_ranks(model, lambda x: split_for_cp(x, r, 2), clip_grad_norm_,
+                                           CLIP, average_over=None)
     return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms}
 
 
@@ -310,7 +290,6 @@ def test_split_for_cp_layout():
 def _ep_train(balancing, steps=3):
     """EP over 2 ranks that are also the data-parallel ranks: FSDP1 shards the rest of the model
     over them, the experts (split by EP) are kept out of FSDP."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from smshim.torch_sagemaker.parallelize import apply, clip_grad_norm_, full_hf_state_dict
@@ -324,19 +303,9 @@ def _ep_train(balancing, steps=3):
     local = sum(p.to_local().numel() for m in experts for p in m.parameters())
     model = FSDP(model, device_mesh=mesh["ep"], use_orig_params=True, ignored_modules=experts,
                  device_id=torch.device("cpu"))
-    opt = tsm_models.optimizer(model)
     r = mesh["ep"].get_local_rank()
-    losses, norms = [], []
-    for x in tsm_models.batches(steps):
-        x = x.chunk(2)[r]
-        opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(clip_grad_norm_(model, CLIP).item())
-        opt.step()
-        full = loss.detach().clone()
-        dist.all_reduce(full)
-        losses.append(full.item() / 2)
+    losses, norms = tsm_models.train_ranks(model, lambda x: x.chunk(2)[r], clip_grad_norm_, CLIP,
+                                           steps=steps, average_over=2)
     return {"sd": full_hf_state_dict(model), "losses": losses, "norms": norms,
             "local_expert_numel": local}
 

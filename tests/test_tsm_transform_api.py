@@ -76,21 +76,10 @@ def _local_batch(tsm, x):
 
 
 def _train_loop(tsm, model):
-    import torch.distributed as dist
     from torch.sagemaker.grad_norm import clip_grad_norm_
 
-    opt = tsm_models.optimizer(model)
-    losses, norms = [], []
-    for x in tsm_models.batches():
-        x = _local_batch(tsm, x)
-        opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(clip_grad_norm_(model, CLIP).item())
-        opt.step()
-        full = loss.detach().clone()
-        dist.all_reduce(full)
-        losses.append(full.item() / dist.get_world_size())
+    losses, norms = tsm_models.train_ranks(model, lambda x: _local_batch(tsm, x), clip_grad_norm_,
+                                           CLIP)
     x = tsm_models.batches(1, seed=5)[0]
     return {"losses": losses, "norms": norms, "logits": model(input_ids=x).logits.detach(),
             "local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel()

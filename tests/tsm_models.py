@@ -63,6 +63,32 @@ def train_reference(kind: str, steps: int = 3, clip=None, **overrides):
     return (sd, losses, norms) if clip is not None else (sd, losses)
 
 
+def train_ranks(model, local, clip_grad_norm_, clip: float, steps: int = 3,
+                average_over=all) -> tuple:
+    """The ranks' side of the equivalence tests: AdamW on each rank's share `local(x)` of every
+    global batch, clipping with `clip_grad_norm_(model, clip)`. Per step: the clipped norm, and
+    the loss summed over the ranks and divided by `average_over` (the world size by default;
+    None: this rank's own loss, not reduced). Returns (losses, norms)."""
+    import torch.distributed as dist
+
+    opt = optimizer(model)
+    losses, norms = [], []
+    for x in batches(steps):
+        x = local(x)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(clip_grad_norm_(model, clip).item())
+        opt.step()
+        if average_over is None:
+            losses.append(loss.item())
+            continue
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / (dist.get_world_size() if average_over is all else average_over))
+    return losses, norms
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
