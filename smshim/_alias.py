@@ -141,9 +141,34 @@ def install() -> None:
 
 install()
 
+
+def _teardown_at_exit() -> None:
+    """At exit of a script that used torch.distributed, destroy its process groups while the
+    interpreter is whole (smshim.runtime.launch.teardown). A plain torch script (DDP under
+    `smshim run`) never imports smshim, and a gloo group left to finalization aborted the process
+    after the script had finished ("terminate called without an active exception")."""
+    if "torch.distributed" not in sys.modules:
+        return  # never imported: nothing to tear down, and importing torch now would be waste
+    from smshim.runtime.launch import teardown
+
+    teardown()
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+# Workers of `smshim run` (the trampoline sets SMSHIM_WORKER) and CPU-mode processes get the
+# teardown; a script run any other way keeps torch's own exit. Registered first, it runs last,
+# after the script's own atexit handlers.
+if _env_on("SMSHIM_WORKER") or _env_on("SMSHIM_CPU"):
+    import atexit
+
+    atexit.register(_teardown_at_exit)
+
 # CPU mode (smshim/runtime/cpu_mode.py) must be in place before a script's first CUDA call,
 # under every launcher; without SMSHIM_CPU this costs one environment lookup.
-if os.environ.get("SMSHIM_CPU", "").strip().lower() not in ("", "0", "false", "off", "no"):
+if _env_on("SMSHIM_CPU"):
     from smshim.runtime import cpu_mode
 
     cpu_mode.install_import_hook()

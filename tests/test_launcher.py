@@ -113,6 +113,22 @@ def test_failing_worker_fails_the_launch(tmp_path):
     assert r.returncode != 0
 
 
+def test_a_plain_script_s_process_groups_are_destroyed_at_exit(tmp_path):
+    # Never destroyed by the script, a gloo group was freed during finalization and aborted a
+    # finished rank, rarely ("terminate called without an active exception"); the workers'
+    # start-up hook now destroys it at exit.
+    script = os.path.join(HERE, "scripts", "plain_gloo_no_destroy.py")
+    r = _launch(tmp_path, "-n", "2", script)
+    for rank in range(2):
+        assert f"rank {rank} sum 2" in r.stdout, r.stdout
+        assert f"rank {rank}: destroy_process_group at exit" in r.stdout, r.stdout
+    # Started without the launcher, the script keeps torch's own exit.
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+           "SMSHIM_WORKER": None, "SMSHIM_CPU": None}
+    r = run_command([sys.executable, script], timeout=60, env=env, cwd=str(tmp_path))
+    assert "rank 0 sum 1" in r.stdout and "destroy_process_group" not in r.stdout, r.stdout
+
+
 def test_hyperparameter_args_follow_the_toolkit():
     hps = container_hyperparameters(parse_distribution(MP_DIST), {"bb": True, "aa": "x", "c": 2})
     # Sorted by name; one-letter names get a single dash; non-strings as str(); dicts as k=v,...

@@ -1,7 +1,8 @@
 """Trampoline each launched worker goes through: `python -m smshim.launcher.worker script args...`.
 
 Sets the per-process variables a SageMaker container would (SMDATAPARALLEL_LOCAL_RANK, which
-Hugging Face reads, from torchrun's LOCAL_RANK), then replaces itself with `python script args`
+Hugging Face reads, from torchrun's LOCAL_RANK) and SMSHIM_WORKER (the start-up hook then destroys
+the script's process groups at exit, as smp scripts get anyway), then replaces itself with `python script args`
 so the script runs exactly as if started directly (its own __main__, sys.path[0], argv).
 """
 
@@ -12,6 +13,8 @@ import sys
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m smshim.launcher.worker script [args...]")
+    # The script's start-up hook (smshim/_alias.py) tears its process groups down at exit.
+    os.environ["SMSHIM_WORKER"] = "1"
     if "LOCAL_RANK" in os.environ:
         os.environ["SMDATAPARALLEL_LOCAL_RANK"] = os.environ["LOCAL_RANK"]
     if os.environ.get("SMSHIM_CPU") and "smshim._alias" not in sys.modules:

@@ -255,7 +255,9 @@ def init_distributed(backend: Optional[str] = None) -> LaunchInfo:
 # Teardown at exit ---------------------------------------------------------------------------------
 # Every process group torch.distributed knows (the default group whoever created it, smddp's, smp's,
 # the pipeline transport's) is destroyed by an atexit handler registered when this module is first
-# imported, i.e. before the script's own handlers, so it runs after them. Left to static
+# imported, i.e. before the script's own handlers, so it runs after them; in workers of
+# `smshim run` and in CPU mode the start-up hook (smshim/_alias.py) registers it for plain torch
+# scripts too. Left to static
 # destruction at exit, gloo's threads can be destroyed while joinable and abort the process
 # ("terminate called without an active exception") after the script has finished.
 _teardown_hooks: List[Callable[[], None]] = []
