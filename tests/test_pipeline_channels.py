@@ -126,7 +126,8 @@ def _bare_transport(channel):
 
 def _headers(buffer):
     header_len = int(buffer[:_PREFIX].numpy().view(np.int64)[0])
-    return pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+    # (Each message travels as the tuple of its fields.)
+    return [Message(*h) for h in pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())]
 
 
 def test_a_frame_sends_its_cuda_tensors_apart_and_keeps_its_cpu_tensors_inside():

@@ -9,7 +9,7 @@ import logging
 import pickle
 import queue
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,7 +20,7 @@ from smshim.modelparallel.torch.errors import (
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
-from smshim.modelparallel.torch.pipeline.structure import fill, flatten
+from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
@@ -74,8 +74,22 @@ class _RemoteCall(torch.autograd.Function):
         return (None, None, None, *in_grads)
 
 
+# A module with one tensor output (most): its expectation, pickled once per output shape. The
+# owner checks each forward's outputs against the caller's prediction by these bytes.
+_ONE_OUTPUT: Dict[tuple, bytes] = {}
+
+
 def _expectation(out_template: Any, metas) -> bytes:
-    return pickle.dumps((out_template, metas), protocol=pickle.HIGHEST_PROTOCOL)
+    if type(out_template) is not _Slot:
+        return pickle.dumps((out_template, metas), protocol=pickle.HIGHEST_PROTOCOL)
+    key = (out_template.index, tuple(metas))
+    data = _ONE_OUTPUT.get(key)
+    if data is None:
+        if len(_ONE_OUTPUT) > 4096:  # (shapes that vary from call to call)
+            _ONE_OUTPUT.clear()
+        data = _ONE_OUTPUT[key] = pickle.dumps((out_template, metas),
+                                               protocol=pickle.HIGHEST_PROTOCOL)
+    return data
 
 
 def _describe(out_template: Any, metas) -> str:
@@ -133,7 +147,7 @@ class CallerSide:
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
-        template_bytes = pickle.dumps(call.template, protocol=pickle.HIGHEST_PROTOCOL)
+        template_bytes = dumps_template(call.template)
         amp = autocast_state.capture()  # the module runs under the caller's autocast
         pkey = (call.module, template_bytes, grad_enabled, amp,
                 tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))

@@ -19,7 +19,7 @@ from smshim.modelparallel.torch.pipeline.calls import (
 from smshim.modelparallel.torch.pipeline.context import _serving, ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
-from smshim.modelparallel.torch.pipeline.structure import fill, flatten
+from smshim.modelparallel.torch.pipeline.structure import fill, flatten, loads_template
 from smshim.modelparallel.torch.pipeline.messages import (FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 from smshim.modelparallel.torch.state import state
@@ -136,7 +136,7 @@ class OwnerSide:
             self._admit(msg.microbatch, msg.step)
         what = f"an input of the {self._what(msg, 'forward')}"
         tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
-        template = pickle.loads(template_bytes)
+        template = loads_template(template_bytes)
 
         def deliver(out_template, outs, out_rg) -> None:
             metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]

@@ -7,7 +7,8 @@ tensors go as tensors and the rest (the template, with a `_Slot` where each tens
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+import pickle
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -74,3 +75,42 @@ def _plain_call(obj: Any) -> bool:
     """`obj` is a call's (args, kwargs) with a plain args tuple and no keywords."""
     return (type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple
             and type(obj[1]) is dict and not obj[1])
+
+
+# A call's template travels pickled. The common one, n tensor arguments and no keywords, is the
+# same for every microbatch: pickled once per n on the caller, unpickled once per bytes on the
+# owner (other templates may hold objects a module could change, so they are unpickled anew).
+_PLAIN_BYTES: Dict[int, bytes] = {}
+_PLAIN_TEMPLATES: Dict[bytes, Any] = {}
+
+
+def _plain_arity(template: Any) -> int:
+    """n if `template` is ((slot 0, ..., slot n-1), {}), else -1."""
+    if not _plain_call(template):
+        return -1
+    args = template[0]
+    for i, a in enumerate(args):
+        if type(a) is not _Slot or a.index != i:
+            return -1
+    return len(args)
+
+
+def dumps_template(template: Any) -> bytes:
+    n = _plain_arity(template)
+    if n < 0:
+        return pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _PLAIN_BYTES.get(n)
+    if data is None:
+        data = _PLAIN_BYTES[n] = pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
+        _PLAIN_TEMPLATES[data] = template
+    return data
+
+
+def loads_template(data: bytes) -> Any:
+    template = _PLAIN_TEMPLATES.get(data)
+    if template is not None:
+        return template  # (`fill` builds a call from it without changing it)
+    template = pickle.loads(data)
+    if _plain_arity(template) >= 0:
+        _PLAIN_TEMPLATES.setdefault(data, template)
+    return template

@@ -11,8 +11,8 @@ each other on one connection at the same moment, gloo stalled one or both for 4-
 of such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a
 pipeline send to each other at the same moment once per microbatch. The
 thread that sends a message posts it itself, with whatever was queued for the peer before it, as
-one frame: a small header (two int64 lengths, then the pickled `Message`s without their tensors,
-which carry their shapes and dtypes) and the tensors' bytes, in a single gloo isend when it fits
+one frame: a small header (two int64 lengths, then each `Message` as a tuple of its fields,
+pickled, with its tensors' shapes and dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits
 in FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute,
 glue or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no
 thread hand-off lies between a result and its transfer. The sender thread only waits for posted
@@ -416,8 +416,9 @@ class Transport:
                 metas.append((tuple(t.shape), t.dtype, arr.size))
                 if arr.size:
                     body.append(arr)
-            headers.append(Message(msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
-                                   msg.meta, metas))
+            # A plain tuple: pickled and unpickled in half the time of the dataclass.
+            headers.append((msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
+                            msg.meta, metas))
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
         body_len = sum(b.size for b in body)
         end = _PREFIX + len(header)
@@ -517,9 +518,9 @@ class Transport:
         if start > FRAME_BYTES:  # the headers follow on their own (see _post_frame)
             header = np.empty(header_len, dtype=np.uint8)
             group.recv([torch.from_numpy(header)], src, 0).wait()
-            msgs: List[Message] = pickle.loads(header)
+            msgs = [Message(*h) for h in pickle.loads(header)]
         else:
-            msgs = pickle.loads(nf[_PREFIX:start])
+            msgs = [Message(*h) for h in pickle.loads(nf[_PREFIX:start])]
         if start + body_len <= FRAME_BYTES:
             # No copy here: each tensor is copied out of the frame below, before the next receive.
             body = nf[start:start + body_len]
