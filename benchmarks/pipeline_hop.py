@@ -18,12 +18,21 @@ smshim's hop is then split with its own trace (`SMSHIM_TRACE`; `smshim timeline`
 The trace costs time itself, so the split comes from a separate, traced run and its parts add up
 to more than the untraced hop.
 
-    python benchmarks/pipeline_hop.py [--m 8] [--steps 12] [--runs 3] [--messages 300]
+Last, where an overhead-bound model's step goes: the tiny-block model of
+`pipeline_as_written.py` (d = 16, batch 128, pp = 2, m = 8, interleaved), traced. Under 1F1B,
+stage 0 may start microbatch k + 2 only once k's backward is over, which waits for stage 1's
+gradient: each microbatch goes once round a loop through both ranks (gradient hop, stage 0's
+backward of k and forward of k + 2, the requests for stage 1 issued and posted, forward hop),
+and while that loop is longer than stage 1's own work, it is the step's period. `--no-loop`
+skips it.
+
+    python benchmarks/pipeline_hop.py [--m 8] [--steps 12] [--runs 3] [--messages 300] [--no-loop]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -228,6 +237,80 @@ def _split(trace_dir: str, by_rank: List[List[tuple]]) -> Dict[str, Dict[str, fl
             for d, p in parts.items()}
 
 
+# ---- the overhead-bound model's critical loop ------------------------------------------------
+
+def _loop_run(m: int, steps: int) -> int:
+    """The tiny-block model as written (pipeline_as_written.py, d = 16, batch 128), pp = 2,
+    interleaved, traced; returns the last step's number."""
+    import pipeline_as_written as written
+
+    os.sched_setaffinity(0, {int(os.environ["RANK"]) % os.cpu_count()})
+    torch.set_num_threads(1)
+    smp, _, step = written._smshim_setup(2, m, "interleaved", "manual", 16)
+    for x, targets in written.make_batches(steps, 16, 128):
+        step(x, targets)
+    smp.reset()
+    return steps - 1
+
+
+def _loop(trace_dir: str, m: int, first_step: int, last_step: int) -> Dict[str, float]:
+    """Under 1F1B at p = 2, stage 0 runs microbatch k + 2's forward only once k's backward is
+    over, and k's backward starts when stage 1's input gradient for k comes: a loop through
+    both ranks that each microbatch goes round once. Its parts (ms) from the trace:
+    gradient hop (stage 1's frame posted to received), stage 0's backward of k, the gap to its
+    forward of k + 2, that forward's own modules, the requests for stage 1's modules and the
+    backward's requests issued, the frame posted, and the forward hop (posted to received);
+    means over the steady state's microbatches."""
+    ev = []
+    for r in range(2):
+        with open(os.path.join(trace_dir, f"trace_rank{r}.json")) as f:
+            data = json.load(f)
+        ev.append(sorted((e for e in (data["traceEvents"] if isinstance(data, dict) else data)
+                          if "ts" in e and e.get("args", {}).get("step") is not None),
+                         key=lambda e: e["ts"]))
+
+    def spans(r, cat, step, mb):
+        return [e for e in ev[r] if e.get("cat") == cat and e["args"]["step"] == step
+                and e["args"].get("microbatch") == mb]
+
+    parts: Dict[str, List[float]] = collections.defaultdict(list)
+    for step in range(first_step, last_step + 1):
+        for k in range(m - 2):
+            grad_sends = [e for e in spans(1, "transfer", step, k)
+                          if e["ph"] == "X" and "value" in e["name"]]
+            grad_recvs = [e for e in spans(0, "transfer", step, k)
+                          if e["ph"] == "i" and "value" in e["name"]]
+            back, fwd = spans(0, "backward", step, k), spans(0, "forward", step, k + 2)
+            if not (grad_sends and grad_recvs and back and fwd):
+                continue
+            post_v, recv_v = grad_sends[-1], grad_recvs[-1]  # (the loss's value goes first)
+            f_end = fwd[-1]["ts"] + fwd[-1]["dur"]
+            out = next((e for e in ev[0] if e.get("cat") == "transfer" and e["ph"] == "X"
+                        and "fwd_req" in e["name"] and e["ts"] >= f_end), None)
+            if out is None:
+                continue
+            arrive = next((e for e in ev[1] if e.get("cat") == "transfer" and e["ph"] == "i"
+                           and "fwd_req" in e["name"] and e["ts"] >= out["ts"]), None)
+            if arrive is None:
+                continue
+            b_end = back[-1]["ts"] + back[-1]["dur"]
+            got = [("gradient hop", recv_v["ts"] - post_v["ts"]),
+                   ("to its backward", back[0]["ts"] - recv_v["ts"]),
+                   ("stage 0 backward", b_end - back[0]["ts"]),
+                   ("to the next forward", fwd[0]["ts"] - b_end),
+                   ("stage 0 forward", f_end - fwd[0]["ts"]),
+                   ("requests issued", out["ts"] - f_end),
+                   ("frame posted", out["dur"]),
+                   ("forward hop", arrive["ts"] - out["ts"] - out["dur"]),
+                   ("loop", arrive["ts"] - post_v["ts"]),
+                   ("stage 1 busy", sum(e["dur"] for c in ("forward", "backward")
+                                        for e in spans(1, c, step, k)))]
+            for name, us in got:
+                parts[name].append(us / 1e3)
+    # Means, not medians: the parts of each round add up to it, and so do their means.
+    return {name: statistics.fmean(v) for name, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=8)
@@ -235,6 +318,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="paired runs (smshim and torch each)")
     ap.add_argument("--messages", type=int, default=300, help="raw gloo messages")
     ap.add_argument("--out", default=os.path.join(RESULTS, "pipeline_hop.json"))
+    ap.add_argument("--no-loop", action="store_true",
+                    help="skip the overhead-bound model's critical loop (a traced run)")
     a = ap.parse_args()
 
     gloo_ms = [1e3 * x for x in run_ranks(_one_way, 2, a.messages, 0.005, True, timeout=300)[1]]
@@ -266,11 +351,24 @@ def main() -> None:
         s = split[d]
         print(f"    {d:9s} hop {traced_hops[d]:.3f} ms = sender {s['sender']:.3f} + wire "
               f"{s['wire']:.3f} + receiver {s['receiver']:.3f}")
+    loop: Dict[str, float] = {}
+    if not a.no_loop:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            last = run_ranks(_loop_run, 2, 8, 6, timeout=600,
+                             env={"SMSHIM_TRACE": trace_dir})[0]
+            loop = _loop(trace_dir, 8, last - 2, last)
+        print("  the tiny-block model as written (d = 16, batch 128, pp = 2, m = 8, interleaved), "
+              "traced: stage 0 -> 1 -> 0 once per microbatch (means, ms):")
+        print("    " + " + ".join(f"{name} {loop[name]:.3f}" for name in loop
+                                     if name not in ("loop", "stage 1 busy"))
+              + f" = loop {loop['loop']:.3f}; stage 1 computes for "
+              f"{loop['stage 1 busy']:.3f} of it")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"m": a.m, "steps": a.steps, "sleeps_s": SLEEPS,
                    "gloo_ms_median": statistics.median(gloo_ms), "runs": runs,
-                   "traced_hops_ms": traced_hops, "traced_split_ms": split}, f, indent=1)
+                   "traced_hops_ms": traced_hops, "traced_split_ms": split,
+                   "tiny_model_loop_ms": loop}, f, indent=1)
     print(f"wrote {a.out}")
 
 
