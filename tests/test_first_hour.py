@@ -140,6 +140,28 @@ def test_without_cpu_mode_nothing_is_mapped(tmp_path):
     assert "_cuda_setDevice" in r.stderr or "CUDA" in r.stderr, r.stderr
 
 
+def test_cpu_mode_maps_tensors_created_on_cuda():
+    code = """
+import torch
+d = torch.device("cuda", 1)
+made = [torch.zeros(2, device="cuda"), torch.ones(2, device=d), torch.tensor([1.0], device="cuda:0"),
+        torch.arange(3, device=d), torch.randn(2, device=0), torch.empty(1, device="cuda"),
+        torch.full((2,), 3.0, device=d), torch.eye(2, device=d), torch.randint(0, 5, (3,), device=d),
+        torch.zeros_like(torch.ones(2), device="cuda"), torch.ones(2).new_zeros(3, device=d),
+        torch.as_tensor([1, 2], device="cuda")]
+assert all(t.device.type == "cpu" for t in made), [t.device for t in made]
+assert torch.zeros(2, device="meta").device.type == "meta"  # other devices are left alone
+assert not torch.cuda.is_available()
+print("mapped", len(made))
+"""
+    r = run_command([sys.executable, "-c", code], timeout=120, env=dict(NO_LAUNCHER, SMSHIM_CPU="1"))
+    assert "mapped 12" in r.stdout, r.stdout + r.stderr
+    # Without CPU mode a CUDA device stays one (and fails here, where there is none).
+    r = run_command([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"],
+                    timeout=120, env=NO_LAUNCHER, check=False)
+    assert r.returncode != 0
+
+
 def test_cpu_mode_does_nothing_at_start_up_without_the_variable():
     code = ("import sys, smshim._alias; "
             "print(any(type(f).__name__ == '_TorchImportHook' for f in sys.meta_path), "

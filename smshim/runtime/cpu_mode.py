@@ -9,11 +9,15 @@ hook (smshim/_alias.py) calls `install_import_hook()`, which waits for the scrip
   tensor.to("cuda"), .to("cuda:1"), .to(torch.device("cuda", i)), .to(i)  (and module.to)
   DistributedDataParallel(model, device_ids=[i], output_device=i) on a CPU model
   torch.load(..., map_location="cuda:0" | torch.device("cuda") | {"cuda:1": "cuda:0"})
+  tensors created on a CUDA device: torch.zeros(3, device="cuda"), torch.tensor(x, device=d),
+    torch.arange(n, device=torch.device("cuda", i)), torch.randn_like(t, device=0),
+    t.new_zeros(3, device="cuda") and the other factories in _FACTORIES / _NEW_FACTORIES
 
 `torch.cuda.is_available()` and `torch.cuda.device_count()` keep telling the truth, so an
-explicit "no GPU, stop" guard in a script still stops it. Tensors created directly on a CUDA
-device (`torch.zeros(3, device="cuda")`) are not mapped. Without SMSHIM_CPU nothing here runs
-(the start-up hook only reads the variable), and with a real GPU nothing is patched.
+explicit "no GPU, stop" guard in a script still stops it. The factories are wrapped where a script
+finds them (`torch.zeros`, `Tensor.new_zeros`): a module that took its own reference before torch
+finished importing keeps the original. Without SMSHIM_CPU nothing here runs (the start-up hook only
+reads the variable), and with a real GPU nothing is patched.
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ _WARNED_ENV = "SMSHIM_CPU_WARNED"  # set once the job's one warning was given (i
 MAPPED = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize",
           ".cuda()", '.to("cuda"/"cuda:i"/torch.device("cuda", i)/i)',
           "DistributedDataParallel(device_ids=..., output_device=...)",
-          'torch.load(map_location="cuda...")')
+          'torch.load(map_location="cuda...")', 'torch.zeros(..., device="cuda") and the other factories')
+
+# Functions in the torch namespace that create a tensor on the device their `device=` names.
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
+              "range", "linspace", "logspace", "eye", "tensor", "as_tensor", "zeros_like",
+              "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+              "empty_strided", "scalar_tensor", "tril_indices", "triu_indices", "normal")
+_NEW_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "new_empty_strided")
 
 _installed = False
 
@@ -77,6 +88,21 @@ def _cuda_like(x: Any) -> bool:
 
 def _map_device(x: Any) -> Any:
     return "cpu" if _cuda_like(x) else x
+
+
+def _on_cpu(factory: Any) -> Any:
+    """`factory` with a CUDA `device=` (a name, a torch.device, or an index, which factories
+    read as a CUDA device) replaced by the CPU."""
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and (_cuda_like(device) or (
+                isinstance(device, int) and not isinstance(device, bool))):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    wrapper._smshim_cpu = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _to_args(args: tuple, kwargs: dict) -> tuple:
@@ -153,6 +179,15 @@ def _patch(torch: Any) -> None:
         return ddp_init(self, module, None, None, *args, **kwargs)
 
     DDP.__init__ = ddp_init_cpu
+
+    for name in _FACTORIES:
+        fn = getattr(torch, name, None)
+        if fn is not None and not getattr(fn, "_smshim_cpu", False):
+            setattr(torch, name, _on_cpu(fn))
+    for name in _NEW_FACTORIES:
+        fn = getattr(torch.Tensor, name, None)
+        if fn is not None and not getattr(fn, "_smshim_cpu", False):
+            setattr(torch.Tensor, name, _on_cpu(fn))
     warn_once()
 
 

@@ -1,6 +1,7 @@
 """A training script written for GPUs the way AWS's examples are (torch.cuda.set_device,
 .cuda(), .to("cuda"), .to(torch.device("cuda", i)), DDP(device_ids=[local_rank]),
-torch.load(map_location="cuda:0")), used by the CPU-mode and multi-node tests.
+torch.load(map_location="cuda:0"), tensors created with device=...), used by the CPU-mode and
+multi-node tests.
 
 --mode ddp: torch DDP, each rank on its shard of the global batch. --mode smp: smdistributed
 model parallelism, config from SM_HP_MP_PARAMETERS. Writes each rank's parameters to
@@ -44,13 +45,17 @@ if args.mode == "ddp":
     model.to(device)
     model = DDP(model, device_ids=[local_rank], output_device=local_rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = torch.zeros((), device=device)  # created on "the GPU", as scripts keep their counters
     for step, (x, y) in enumerate(batches(args.steps, 8)):
         x = shard(x, rank, world).to("cuda")
         y = shard(y, rank, world).cuda()
+        x = x[torch.arange(x.shape[0], device=f"cuda:{local_rank}")]  # (the same rows)
         opt.zero_grad()
         model(x, labels=y)["loss"].backward()
         opt.step()
+        seen += x.new_ones((), device=device)
         maybe_die(step, rank)
+    assert seen.item() == args.steps
     params = {n: p.detach() for n, p in model.module.named_parameters()}
     dp_rank = rank
 else:
