@@ -2,8 +2,9 @@
 
 Sets the per-process variables a SageMaker container would (SMDATAPARALLEL_LOCAL_RANK, which
 Hugging Face reads, from torchrun's LOCAL_RANK) and SMSHIM_WORKER (the start-up hook then destroys
-the script's process groups at exit, as smp scripts get anyway), then replaces itself with `python script args`
-so the script runs exactly as if started directly (its own __main__, sys.path[0], argv).
+the script's process groups at exit, as smp scripts get anyway), then replaces itself with
+`python script args` so the script runs exactly as if started directly (its own __main__,
+sys.path[0], argv).
 """
 
 import os

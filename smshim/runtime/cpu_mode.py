@@ -38,14 +38,16 @@ _WARNED_ENV = "SMSHIM_CPU_WARNED"  # set once the job's one warning was given (i
 MAPPED = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize",
           ".cuda()", '.to("cuda"/"cuda:i"/torch.device("cuda", i)/i)',
           "DistributedDataParallel(device_ids=..., output_device=...)",
-          'torch.load(map_location="cuda...")', 'torch.zeros(..., device="cuda") and the other factories')
+          'torch.load(map_location="cuda...")',
+          'torch.zeros(..., device="cuda") and the other factories')
 
 # Functions in the torch namespace that create a tensor on the device their `device=` names.
 _FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
               "range", "linspace", "logspace", "eye", "tensor", "as_tensor", "zeros_like",
               "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
               "empty_strided", "scalar_tensor", "tril_indices", "triu_indices", "normal")
-_NEW_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "new_empty_strided")
+_NEW_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+                  "new_empty_strided")
 
 _installed = False
 

@@ -3,24 +3,24 @@
 Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
 thread and one receiver (a role that threads take in turn, one at a time: a receiver that gets
 work from a frame runs it itself and hands the receiving on, see `_recv_session`), on process
-groups used by nothing else: messages from one rank to another arrive in the order they were
-sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are
-two groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
-second), so that each TCP connection carries frames one way: when two ranks posted frames to
-each other on one connection at the same moment, gloo stalled one or both for 4-7 ms, in 15-40 %
-of such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a
-pipeline send to each other at the same moment once per microbatch. The
-thread that sends a message posts it itself, with whatever was queued for the peer before it, as
-one frame: a small header (two int64 lengths, then each `Message` as a tuple of its fields,
-pickled, with its tensors' shapes and dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits
-in FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute,
-glue or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no
-thread hand-off lies between a result and its transfer. The sender thread only waits for posted
-frames to complete (their buffers live until then) and keeps the deadline of held messages: a
-sender may hold a message back to leave with the next ones (`send(hold=True)`, then `flush`):
-pp_rank 0 sends a stage's calls of one microbatch as one frame. CPU tensors travel inside the
-frame; with a device channel (channels.py: CUDA tensors on NCCL groups of their own), CUDA
-tensors leave right after their frame, in header order, never through host memory.
+groups used by nothing else: messages from one rank to another arrive in the order they were sent,
+and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are two
+groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
+second), so that each TCP connection carries frames one way: when two ranks posted frames to each
+other on one connection at the same moment, gloo stalled one or both for 4-7 ms, in 15-40 % of
+such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a pipeline
+send to each other at the same moment once per microbatch. The thread that sends a message posts
+it itself, with whatever was queued for the peer before it, as one frame: a small header (two
+int64 lengths, then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and
+dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
+FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute, glue
+or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no thread
+hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
+complete (their buffers live until then) and keeps the deadline of held messages: a sender may
+hold a message back to leave with the next ones (`send(hold=True)`, then `flush`): pp_rank 0 sends
+a stage's calls of one microbatch as one frame. CPU tensors travel inside the frame; with a device
+channel (channels.py: CUDA tensors on NCCL groups of their own), CUDA tensors leave right after
+their frame, in header order, never through host memory.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
