@@ -197,23 +197,15 @@ def _split(trace_dir: str, by_rank: List[List[tuple]]) -> Dict[str, Dict[str, fl
 
     # Frames by (step, microbatch of their first message): the first carrying a forward request
     # (the activation's), or the last carrying a value (the input gradient; the loss's value
-    # goes before it).
-    def sends(rank, kind, last):
+    # goes before it). Posted frames are spans ("X": start and end, ns), received ones instants.
+    def frames(rank, phase, kind, last):
         out = {}
         for e in sorted(events[rank], key=lambda e: e.get("ts", 0)):
-            if e.get("cat") == "transfer" and e.get("ph") == "X" and kind in e["name"]:
+            if e.get("cat") == "transfer" and e.get("ph") == phase and kind in e["name"]:
                 key = (e["args"].get("step"), e["args"].get("microbatch"))
                 if last or key not in out:
-                    out[key] = (e["ts"] * 1e3, (e["ts"] + e["dur"]) * 1e3)
-        return out
-
-    def recvs(rank, kind, last):
-        out = {}
-        for e in sorted(events[rank], key=lambda e: e.get("ts", 0)):
-            if e.get("cat") == "transfer" and e.get("ph") == "i" and kind in e["name"]:
-                key = (e["args"].get("step"), e["args"].get("microbatch"))
-                if last or key not in out:
-                    out[key] = e["ts"] * 1e3
+                    out[key] = ((e["ts"] * 1e3, (e["ts"] + e["dur"]) * 1e3) if phase == "X"
+                                else e["ts"] * 1e3)
         return out
 
     parts: Dict[str, Dict[str, List[float]]] = {
@@ -221,7 +213,7 @@ def _split(trace_dir: str, by_rank: List[List[tuple]]) -> Dict[str, Dict[str, fl
         "backward": {"sender": [], "wire": [], "receiver": []}}
     for direction, src, dst, kind in (("forward", 0, 1, "fwd_req"), ("backward", 1, 0, "value")):
         last = direction == "backward"
-        posted, received = sends(src, kind, last), recvs(dst, kind, last)
+        posted, received = frames(src, "X", kind, last), frames(dst, "i", kind, last)
         for (step, recs_src), (_, recs_dst) in zip(by_rank[src], by_rank[dst]):
             end = {mb: t1 for d, mb, _, t1 in recs_src if d == direction[0].upper()}
             start = {mb: t0 for d, mb, t0, _ in recs_dst if d == direction[0].upper()}
