@@ -11,9 +11,11 @@ Raw gloo: a 4 KiB `isend` from rank 0, received by a second thread on rank 1 (as
 receivers do), `benchmarks/gloo_latency.py`'s measurement.
 
 smshim's hop is then split with its own trace (`SMSHIM_TRACE`; `smshim timeline` draws it):
-- sender: from the stage's compute end to its frame posted (the rest of the module call, the
-  caller's bookkeeping, pickling the header, gloo's isend);
-- wire: frame posted to frame received and parsed on the other side (gloo, the receiver thread);
+- sender: from the stage's compute end to its frame's posting (the rest of the module call,
+  the caller's bookkeeping);
+- post and wire: from the posting's start (pickling the header, gloo's isend) to the frame
+  received and parsed on the other side (gloo, the receiver thread); the posting's own length
+  is in the JSON ("post");
 - receiver: frame received to compute start (dispatch, run queue, compute lock, unpacking).
 The trace costs time itself, so the split comes from a separate, traced run and its parts add up
 to more than the untraced hop.
@@ -209,8 +211,8 @@ def _split(trace_dir: str, by_rank: List[List[tuple]]) -> Dict[str, Dict[str, fl
         return out
 
     parts: Dict[str, Dict[str, List[float]]] = {
-        "forward": {"sender": [], "wire": [], "receiver": []},
-        "backward": {"sender": [], "wire": [], "receiver": []}}
+        "forward": {"sender": [], "post": [], "wire": [], "receiver": []},
+        "backward": {"sender": [], "post": [], "wire": [], "receiver": []}}
     for direction, src, dst, kind in (("forward", 0, 1, "fwd_req"), ("backward", 1, 0, "value")):
         last = direction == "backward"
         posted, received = frames(src, "X", kind, last), frames(dst, "i", kind, last)
@@ -222,8 +224,11 @@ def _split(trace_dir: str, by_rank: List[List[tuple]]) -> Dict[str, Dict[str, fl
                 if mb not in start or key not in posted or key not in received:
                     continue
                 p0, p1 = posted[key]
-                parts[direction]["sender"].append((p1 - t1) / 1e6)
-                parts[direction]["wire"].append((received[key] - p1) / 1e6)
+                # (The post's end can come after the receipt: a sender thread that loses its
+                # core right after the isend. The wire is counted from the post's start.)
+                parts[direction]["sender"].append((p0 - t1) / 1e6)
+                parts[direction]["post"].append((p1 - p0) / 1e6)
+                parts[direction]["wire"].append((received[key] - p0) / 1e6)
                 parts[direction]["receiver"].append((start[mb] - received[key]) / 1e6)
     return {d: {k: statistics.median(v) if v else float("nan") for k, v in p.items()}
             for d, p in parts.items()}
@@ -341,7 +346,7 @@ def main() -> None:
     print("  smshim's hop in its trace (a traced run: the trace adds its own cost):")
     for d in ("forward", "backward"):
         s = split[d]
-        print(f"    {d:9s} hop {traced_hops[d]:.3f} ms = sender {s['sender']:.3f} + wire "
+        print(f"    {d:9s} hop {traced_hops[d]:.3f} ms = sender {s['sender']:.3f} + post and wire "
               f"{s['wire']:.3f} + receiver {s['receiver']:.3f}")
     loop: Dict[str, float] = {}
     if not a.no_loop:
