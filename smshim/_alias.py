@@ -147,8 +147,9 @@ def _teardown_at_exit() -> None:
     interpreter is whole (smshim.runtime.launch.teardown). A plain torch script (DDP under
     `smshim run`) never imports smshim, and a gloo group left to finalization aborted the process
     after the script had finished ("terminate called without an active exception")."""
-    if "torch.distributed" not in sys.modules:
-        return  # never imported: nothing to tear down, and importing torch now would be waste
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return  # no process group: nothing to tear down (and nothing to import for it)
     from smshim.runtime.launch import teardown
 
     teardown()
