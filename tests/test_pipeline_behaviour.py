@@ -134,6 +134,10 @@ def test_trace_shows_the_schedule(tmp_path, schedule):
         assert first_bwd < last_fwd, order  # a backward runs before the last forward
     for e in trace["traceEvents"]:
         assert e.get("ph") != "X" or e["dur"] >= 0
+    # A frame's span says how much of it was the posting thread's CPU (the rest: waiting for a
+    # core), so a long transfer span in a picture can be told apart from a slow network.
+    sends = [e for e in trace["traceEvents"] if e.get("cat") == "transfer" and e.get("ph") == "X"]
+    assert sends and all(0 <= e["args"]["cpu_ms"] <= e["dur"] / 1e3 + 0.05 for e in sends), sends
 
 
 def test_simple_runs_every_forward_before_any_backward_on_every_stage(tmp_path):

@@ -52,6 +52,10 @@ class _Span:
         self._start = _now_us()
         return self
 
+    def note(self, **args: Any) -> None:
+        """Add arguments known only inside the span (e.g. the CPU time it took)."""
+        self._args = dict(self._args, **args)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         end = _now_us()
         args = self._args
