@@ -145,13 +145,7 @@ def _torch(m: int, steps: int) -> List[tuple]:
     torch.set_num_threads(1)
     _runtime.init_distributed()
     rank = dist.get_rank()
-    counter = {"F": 0, "B": 0}
-
-    # GPipe runs the microbatches in order, forward then backward: count them.
-    def tag():
-        return -1
-
-    stage_mod = Stage(rank, tag)
+    stage_mod = Stage(rank, lambda: -1)  # (numbered below)
     stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
     sched = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
     x = torch.ones(m, 4)
@@ -165,12 +159,10 @@ def _torch(m: int, steps: int) -> List[tuple]:
             sched.step(target=torch.zeros(m, 4), losses=[])
         dist.barrier()
         if i >= 2:
-            recs = []
-            for direction, _, t0, t1 in _RECORDS:
-                recs.append((direction, counter[direction] % m, t0, t1))
-                counter[direction] += 1
-            records.append((i, recs))
-        counter = {"F": 0, "B": 0}
+            # GPipe runs the microbatches in order, forward then backward: the k-th record of a
+            # direction is microbatch k's.
+            records.append((i, [(d, k, t0, t1) for d in "FB" for k, (_, _, t0, t1)
+                                in enumerate(r for r in _RECORDS if r[0] == d)]))
     return records
 
 
