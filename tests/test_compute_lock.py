@@ -87,3 +87,20 @@ def test_a_holder_taking_the_lock_again_gives_its_place_up():
     t.join(5)
     assert log == ["backward"]
 
+
+
+def test_ending_a_reservation_lets_other_work_take_the_lock_at_once():
+    lock, log = ComputeLock(), []
+    lock.GRACE_S = 30.0
+    lock.acquire((1, 2), key=("forward", 2))
+    lock.release(reserve=True)  # reserved for more of microbatch 2's forward
+    backward = _start(lock, (0, 1), log, "backward of another microbatch")
+    time.sleep(0.05)
+    assert log == []  # held back by the reservation
+    lock.unreserve(("forward", 3))  # another key's: changes nothing
+    time.sleep(0.05)
+    assert log == []
+    t0 = time.monotonic()
+    lock.unreserve(("forward", 2))
+    backward.join(5)
+    assert log == ["backward of another microbatch"] and time.monotonic() - t0 < 5

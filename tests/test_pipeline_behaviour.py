@@ -140,6 +140,48 @@ def test_trace_shows_the_schedule(tmp_path, schedule):
     assert sends and all(0 <= e["args"]["cpu_ms"] <= e["dur"] / 1e3 + 0.05 for e in sends), sends
 
 
+def _tiny_blocks(steps):
+    """The overhead-bound model of benchmarks/pipeline_as_written.py (8 blocks of width 16 in a
+    loop, the first four on pp_rank 0), pp = 2, m = 8, interleaved."""
+    from benchmarks import pipeline_as_written as written
+    from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
+
+    # A reservation that is never ended expires after GRACE_S: make that long enough that only
+    # the step body's own hand-over can end the reservation this test is about.
+    ComputeLock.GRACE_S = 0.5
+    torch.set_num_threads(1)
+    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
+    for x, targets in written.make_batches(steps, 16, 128):
+        step(x, targets)
+    return 0
+
+
+def test_a_body_s_requests_leave_before_another_microbatch_s_backward_runs(tmp_path):
+    """pp_rank 0 keeps the compute lock for a step body from its last forward region until the
+    requests it then issues to stage 1 have left. Otherwise the backward of the microbatch before
+    takes the lock and the core, and stage 1 idles while the requests wait (on one core per
+    rank: every other microbatch, 0.5-1 ms each)."""
+    run_ranks(_tiny_blocks, 2, 3, timeout=120, env={"SMSHIM_TRACE": str(tmp_path)})
+    with open(tmp_path / "trace_rank0.json") as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e["args"].get("step", 0) >= 1]
+    sends = sorted(e["ts"] for e in events if e["cat"] == "transfer" and "fwd_req" in e["name"])
+    checked = 0
+    for step in (1, 2):
+        spans = [e for e in events if e["args"]["step"] == step]
+        for mb in range(8):
+            forward_end = max(e["ts"] + e["dur"] for e in spans
+                              if e["cat"] == "forward" and e["args"]["microbatch"] == mb)
+            later = [e["ts"] for e in spans if e["cat"] == "backward" and e["ts"] >= forward_end]
+            if not later:
+                continue
+            checked += 1
+            assert any(forward_end <= t <= min(later) for t in sends), (
+                f"step {step}, microbatch {mb}: a backward started on pp rank 0 before the "
+                "microbatch's requests to stage 1 left")
+    assert checked >= 12
+
+
 def test_simple_runs_every_forward_before_any_backward_on_every_stage(tmp_path):
     """pp_rank 0 starts the backward once all forward code is over, when the last stage still
     has forwards to come (they are p - 1 stages behind) and the first backward is ready there:

@@ -193,7 +193,7 @@ class CallerSide:
         n = len(call.requires)
         if call.owner == self.me:
             self._note_backward_begun(call.microbatch)
-            self.transport.flush()
+            self.send_held()
             values = [None if g is None else self._real(g) for g in grads]
             if ctx.driver:
                 self.turns.wait(BACKWARD, call.microbatch, call.what("backward"))
@@ -306,6 +306,14 @@ class CallerSide:
                                                     meta=cell.key), hold=hold)
 
 
+    def send_held(self) -> None:
+        """Send what this thread held; a step body then gives up the compute lock's reservation
+        its forward kept (see OwnerSide._execute_forward)."""
+        self.transport.flush()
+        if ctx.driver:
+            self.lock.unreserve((FORWARD, ctx.microbatch))
+
+
     def _real(self, t: torch.Tensor) -> torch.Tensor:
         return t.materialize() if isinstance(t, RemoteTensor) else t
 
@@ -324,7 +332,7 @@ class CallerSide:
 
     def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
-        self.transport.flush()  # what this thread held may be what the reply waits for
+        self.send_held()  # what this thread held may be what the reply waits for
         self._runq.step_down()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
@@ -350,7 +358,7 @@ class CallerSide:
         value = self.store.peek(key)
         if value is not None:
             return value
-        self.transport.flush()
+        self.send_held()
         self._runq.step_down()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:

@@ -167,6 +167,7 @@ class Pipeline:
                 self.transport.fail(PipelineError(
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
+                self.lock.unreserve((FORWARD, mb))
                 ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
                 self.server.turns.backward_begun(mb)  # (if it never called model.backward)
                 self.server.turns.done(FORWARD, mb)
@@ -234,7 +235,7 @@ class Pipeline:
         if waits:
             # The forward's calls leave before this thread waits. (If it need not wait, they
             # leave with the backward's requests that follow at once: one frame, not two.)
-            self.transport.flush()
+            self.server.send_held()
         with self._backward_gate:
             while not may_start():
                 self.transport.check()
@@ -252,7 +253,7 @@ class Pipeline:
         # (and record their own timeline spans).
         torch.autograd.backward(tensors, grad_tensors)
         self.server.turns.backward_begun(mb)  # (if it called no module)
-        self.transport.flush()
+        self.server.send_held()
         self.server.turns.done(BACKWARD, mb)
         with self._cond:
             self._backward_over_locked(mb)

@@ -250,6 +250,15 @@ class ComputeLock:
                 self._reserved, self._reserved_until = key, time.monotonic() + self.GRACE_S
             self._wake_next()
 
+    def unreserve(self, key: tuple) -> None:
+        """End a reservation for `key` now (its holder has nothing more to run under it)."""
+        if self._reserved != key:  # (read without the mutex: the usual case costs nothing)
+            return
+        with self._mutex:
+            if self._reserved == key:
+                self._reserved = None
+                self._wake_next()
+
     def held(self) -> bool:
         return self._held_by == threading.get_ident()
 
