@@ -255,6 +255,10 @@ def _summarise(results, p, m, schedule, partition) -> Dict[str, Any]:
             "cpu_s": {k: statistics.median(v) for k, v in step_cpu.items()},
             "cpu_smshim_vs_torch": statistics.median(
                 a / b for a, b in zip(step_cpu["smshim"], step_cpu["torch"])),
+            # Each process's CPU per step: where a rank's own work is longer than the other
+            # system's whole step, no schedule can make up the difference.
+            "cpu_by_rank_s": {k: [statistics.median(r["cpu"][k]) for r in results]
+                              for k in ("smshim", "torch")},
             # Thread switches per step of pp_rank 0 (which runs the step bodies).
             "rank0_switches": {k: statistics.median(results[0]["switches"][k])
                                for k in ("smshim", "torch", "single")},
@@ -351,6 +355,11 @@ def main() -> None:
             print(f"auto partition (p={r['p']}): " + "; ".join(
                 f"rank {i} owns {o}" for i, o in enumerate(r["owned_by_rank"])))
             break
+    print("CPU per step by rank, smshim / torch (ms): " + "; ".join(
+        f"p={r['p']} m={r['m']} {r['schedule']}: " + ", ".join(
+            f"rank {i} {1e3 * a:.1f} / {1e3 * b:.1f}"
+            for i, (a, b) in enumerate(zip(r["cpu_by_rank_s"]["smshim"], r["cpu_by_rank_s"]["torch"])))
+        for r in rows))
     print("smshim messages per step, by sender (kind->receiving pp rank), last row:")
     for i, sent in enumerate(rows[-1]["sent_per_step_by_rank"]):
         print(f"  rank {i}: {dict(sorted(sent.items()))}")

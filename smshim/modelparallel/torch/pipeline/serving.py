@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import time
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -217,11 +218,12 @@ class OwnerSide:
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
-        # A step body on pp_rank 0 keeps the lock reserved after each of its forward regions,
+        # A step body on pp_rank 0 whose module computed on the CPU keeps the lock reserved
         # until its next region or until its requests to the next stages have left
         # (CallerSide.send_held). Else another microbatch's backward takes the lock as soon as
-        # the body's last region ends, and shares the one core with the body while it issues
-        # those requests: the next stage waited 0.5-1 ms longer for every other microbatch.
+        # the body's last region ends and shares the core with the body while it issues those
+        # requests: the next stage waited 0.5-1 ms longer for every other microbatch. (A module
+        # that waited instead, for a device say, leaves the core free: nothing to keep.)
         driver = caller == self.me and ctx.driver
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
                             lambda: self._more_regions(FORWARD, mb) or driver, place):
@@ -229,7 +231,11 @@ class OwnerSide:
                                     caller=caller), \
                     torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                 args, kwargs = fill(template, inputs)
+                if driver:
+                    wall, cpu = time.perf_counter(), time.thread_time()
                 out = self.real_forward(name)(*args, **kwargs)
+                if driver:
+                    driver = time.thread_time() - cpu > (time.perf_counter() - wall) / 2
             out_template, outs = flatten(out)
             if caller != self.me:
                 # A region's results leave this rank as values (handles live on pp_rank 0 only).
