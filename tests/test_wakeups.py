@@ -197,3 +197,12 @@ def test_the_callers_thread_is_notified_only_when_it_can_act():
     # last body ends: one notification a step, where each backward and each body end (2m) woke it.
     counts = run_ranks(_caller_notifications, 2, 4, 3, timeout=180)[0]
     assert counts == [1, 1], counts
+
+
+def test_a_value_asked_for_later_then_at_once_is_sent_once_at_once():
+    store = ValueStore(timeout_s=10)
+    store.want(("k",), 0, later=True)
+    store.want(("k",), 0)  # asked again without `later`: at once, and only once
+    store.want(("k",), 1, later=True)
+    assert store.put(("k",), torch.zeros(1), 0) == [(0, False), (1, True)]
+    assert store.want(("k",), 2, later=True) is not None  # here already: sent now, as asked

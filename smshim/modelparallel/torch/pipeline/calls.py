@@ -21,7 +21,7 @@ from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten
-from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, SEND_TO, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # SMSHIM_PREDICT=0: every remote call waits for its outputs' metadata (no prediction from earlier
 # calls); for modules whose output structure or shapes depend on input values, not input shapes.
 PREDICT_ENV = "SMSHIM_PREDICT"
+
+# _Cell.fetching: asked for with PREFETCH (True: with FETCH).
+_LATER = "later"
 
 
 @dataclass
@@ -160,6 +163,8 @@ class CallerSide:
         if not sync:
             with self._cond:
                 self._visited[call.microbatch].add(call.owner)
+                if any(r and not h for r, h in zip(call.requires, call.remote_in)):
+                    self._pushers[call.microbatch].add(call.owner)
         box = self._new_box(call_id) if reply else None
         try:
             self.transport.send(call.owner, Message(
@@ -286,24 +291,27 @@ class CallerSide:
                                                 f"step {ctx.step})")
 
 
-    def _ask(self, cell: _Cell, hold: bool = False) -> None:
+    def _ask(self, cell: _Cell, hold: bool = False, later: bool = False) -> None:
         """Ask a handle's owner for its value (the terms' owners, for a lazy sum), once, unless
-        it comes anyway (pushed, or here already)."""
+        it comes anyway (pushed, or here already). `later`: it is not needed before the owner's
+        next frame here, so it goes with that one instead of a frame of its own (asked again
+        without `later`, it is sent at once)."""
         if cell.value is not None:
             return
         if cell.terms is not None:
             for term in cell.terms:
                 if isinstance(term, _Cell):
-                    self._ask(term, hold)
+                    self._ask(term, hold, later)
             return
         if cell.owner == self.me or cell.step != self._step:  # (the latter: _fetch says why)
             return
         with cell.lock:
-            ask = not cell.pushed and not cell.fetching
-            cell.fetching = True
+            ask = not cell.pushed and (not cell.fetching or (cell.fetching == _LATER and not later))
+            if ask:
+                cell.fetching = _LATER if later else True
         if ask and self.store.peek(cell.key) is None:
-            self.transport.send(cell.owner, Message(FETCH, ctx.step, cell.microbatch,
-                                                    meta=cell.key), hold=hold)
+            self.transport.send(cell.owner, Message(PREFETCH if later else FETCH, ctx.step,
+                                                    cell.microbatch, meta=cell.key), hold=hold)
 
 
     def send_held(self) -> None:
@@ -373,8 +381,13 @@ class CallerSide:
                 raise
 
 
-    def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int) -> None:
+    def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int,
+                    later: bool = False) -> None:
+        msg = Message(VALUE, step, mb, meta=key, tensors=[value])
         try:
-            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
+            if later:
+                self.transport.send_later(dst, msg)
+            else:
+                self.transport.send(dst, msg)
         except BaseException as e:  # noqa: BLE001  (already recorded by the transport)
             logger.debug("sending %s to pp rank %d failed: %s", key, dst, e)

@@ -49,7 +49,7 @@ class _Cell:
         self.microbatch = microbatch
         self.resolver = resolver
         self.lock = threading.Lock()
-        self.fetching = False
+        self.fetching: object = False  # asked for: "later" (PREFETCH) or True (FETCH)
         self.step = step
 
     def resolve(self) -> torch.Tensor:

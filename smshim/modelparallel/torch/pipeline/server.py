@@ -82,7 +82,7 @@ from smshim.modelparallel.torch.pipeline.scheduler import (
 )
 from smshim.modelparallel.torch.pipeline.serving import OwnerSide, _needs
 from smshim.modelparallel.torch.pipeline.step_end import StepEnd
-from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, NESTED_DONE, SEND_TO, STEP_END, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_DONE, FWD_REPLY, FWD_REQ, MB_DONE, NESTED_DONE, PREFETCH, SEND_TO, STEP_END, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.modelparallel.torch.pipeline.turns import Turns
 from smshim.modelparallel.torch.pipeline.value_store import ValueStore
@@ -158,6 +158,8 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self._admitted: set = set()
         self._live: set = set()
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
+        # pp_rank 0: the peers that will push it an input gradient in a microbatch's backward.
+        self._pushers: Dict[int, set] = collections.defaultdict(set)
         # pp_rank 0: the step bodies' turns at its own modules.
         self.turns = Turns(timeout_s, lambda: self.transport.check())
         self._expected_microbatches = 0
@@ -270,11 +272,12 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
             # backward, and every value sent by reference), so requests queued far ahead of
             # their inputs never exhaust the pool.
             self.store.when_ready(_needs(msg), lambda: self._ready(msg))
-        elif kind in (SEND_TO, FETCH):
-            key, dst = (msg.meta, msg.src) if kind == FETCH else msg.meta
-            value = self.store.want(key, dst)
+        elif kind in (SEND_TO, FETCH, PREFETCH):
+            key, dst = msg.meta if kind == SEND_TO else (msg.meta, msg.src)
+            later = kind == PREFETCH
+            value = self.store.want(key, dst, later)
             if value is not None:  # (a send never waits: see Transport.send)
-                self._send_value(dst, key, value, msg.microbatch, msg.step)
+                self._send_value(dst, key, value, msg.microbatch, msg.step, later)
         elif kind == FWD_REPLY:
             with self._replies_lock:
                 box = self._replies.get(msg.call_id)

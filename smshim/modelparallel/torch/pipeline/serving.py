@@ -202,8 +202,8 @@ class OwnerSide:
 
     def _keep(self, key, value: torch.Tensor, mb: int, step: int) -> None:
         """Hold a value for peers; send it to those who asked for it already."""
-        for dst in self.store.put(key, value, mb):
-            self.transport.send(dst, Message(VALUE, step, mb, meta=key, tensors=[value]))
+        for dst, later in self.store.put(key, value, mb):
+            self._send_value(dst, key, value, mb, step, later)
 
 
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,

@@ -6,7 +6,7 @@ peers sent it, until a request of its own uses them. Keys are unique across the 
 start with the calling rank and its call id), so one store serves both.
 
 `want(key, dst)` is how a value leaves: sent at once if it is here, else as soon as `put` brings
-it. `get(key)` waits for a value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and
+it (`later`: with the next frame to dst, when dst does not need it yet). `get(key)` waits for a value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and
 from which rank. Values are dropped per microbatch (`drop_microbatch`) once nothing can ask for
 them any more, and all at the end of a step.
 """
@@ -29,15 +29,16 @@ class ValueStore:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
-        self._wanted: Dict[Key, List[int]] = {}
+        self._wanted: Dict[Key, List[Tuple[int, bool]]] = {}  # (dst, later)
         self._waiters: Dict[Key, List[tuple]] = {}
         # Threads in `get`, by the key they wait for: a value wakes only its own waiters (on
         # pp_rank 0 every microbatch's body may be waiting for a gradient at once).
         self._getters: Dict[Key, List[threading.Event]] = {}
         self._error: Optional[BaseException] = None
 
-    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[int]:
-        """Keep `value`; returns the ranks that asked for it before it existed (send it to them)."""
+    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[Tuple[int, bool]]:
+        """Keep `value`; returns the ranks that asked for it before it existed (send it to them),
+        each with whether it may go with the next frame (see `want`)."""
         ready = []
         with self._lock:
             self._values[key] = (value, microbatch)
@@ -64,13 +65,18 @@ class ValueStore:
                 return
         fn()
 
-    def want(self, key: Key, dst: int) -> Optional[torch.Tensor]:
-        """The value if it is here (send it now); else remember that `dst` wants it."""
+    def want(self, key: Key, dst: int, later: bool = False) -> Optional[torch.Tensor]:
+        """The value if it is here (send it now); else remember that `dst` wants it. `later`:
+        dst will need it only after what this rank sends it next, so it may go with that."""
         with self._lock:
             entry = self._values.get(key)
             if entry is not None:
                 return entry[0]
-            self._wanted.setdefault(key, []).append(dst)
+            wanted = self._wanted.setdefault(key, [])
+            if (dst, True) in wanted:  # asked for later first, now at once
+                wanted.remove((dst, True))
+            if (dst, False) not in wanted:
+                wanted.append((dst, later))
             return None
 
     def peek(self, key: Key) -> Optional[torch.Tensor]:
