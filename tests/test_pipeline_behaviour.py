@@ -144,11 +144,14 @@ def _tiny_blocks(steps):
     """The overhead-bound model of benchmarks/pipeline_as_written.py (8 blocks of width 16 in a
     loop, the first four on pp_rank 0), pp = 2, m = 8, interleaved."""
     from benchmarks import pipeline_as_written as written
+    from smshim.modelparallel.torch.pipeline import serving
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
 
     # A reservation that is never ended expires after GRACE_S: make that long enough that only
-    # the step body's own hand-over can end the reservation this test is about.
+    # the step body's own hand-over can end the reservation this test is about. And count every
+    # region as compute, even one whose thread lost its core for most of it on a busy machine.
     ComputeLock.GRACE_S = 0.5
+    serving._WAITING_REGION_S = 60.0
     torch.set_num_threads(1)
     _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
     for x, targets in written.make_batches(steps, 16, 128):

@@ -27,6 +27,10 @@ from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
 
+# A forward region of pp_rank 0's step body that took longer than this and spent most of it off
+# the CPU waited (for a device, say): its body keeps no reservation (see _execute_forward).
+_WAITING_REGION_S = 0.001
+
 
 def _needs(msg: Message) -> List[Any]:
     """The store keys a FWD_REQ / BWD_REQ waits for."""
@@ -235,7 +239,10 @@ class OwnerSide:
                     wall, cpu = time.perf_counter(), time.thread_time()
                 out = self.real_forward(name)(*args, **kwargs)
                 if driver:
-                    driver = time.thread_time() - cpu > (time.perf_counter() - wall) / 2
+                    wall = time.perf_counter() - wall
+                    # (A short region counts as compute even if the thread lost its core
+                    # for part of it.)
+                    driver = wall < _WAITING_REGION_S or time.thread_time() - cpu > wall / 2
             out_template, outs = flatten(out)
             if caller != self.me:
                 # A region's results leave this rank as values (handles live on pp_rank 0 only).
