@@ -11,8 +11,9 @@ import torch
 # Message kinds. Requests (server.py): run a module's forward / backward; a forward's output
 # metadata or values when the caller waits for them; a value (activation or gradient) travelling
 # from the rank that holds it to the rank that needs it; asking a rank to send a value it holds to
-# another rank or to the asker (PREFETCH: with the next frame going there anyway); pp_rank 0 saying a microbatch's forward / whole step is done; a
-# rank saying it will send no more requests for the step's nested calls (server.finish_nested).
+# another rank or to the asker (PREFETCH: with its next frame going there anyway); pp_rank 0
+# saying a microbatch's forward / whole step is done; a rank saying it will send no more requests
+# for the step's nested calls (server.finish_nested).
 FWD_REQ, FWD_REPLY, BWD_REQ = "fwd_req", "fwd_reply", "bwd_req"
 VALUE, SEND_TO, FETCH, PREFETCH = "value", "send_to", "fetch", "prefetch"
 FWD_DONE, MB_DONE, NESTED_DONE = "fwd_done", "mb_done", "nested_done"

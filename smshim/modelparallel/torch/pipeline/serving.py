@@ -236,13 +236,13 @@ class OwnerSide:
                     torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                 args, kwargs = fill(template, inputs)
                 if driver:
-                    wall, cpu = time.perf_counter(), time.thread_time()
+                    wall0, cpu0 = time.perf_counter(), time.thread_time()
                 out = self.real_forward(name)(*args, **kwargs)
                 if driver:
-                    wall = time.perf_counter() - wall
+                    wall = time.perf_counter() - wall0
                     # (A short region counts as compute even if the thread lost its core
                     # for part of it.)
-                    driver = wall < _WAITING_REGION_S or time.thread_time() - cpu > wall / 2
+                    driver = wall < _WAITING_REGION_S or time.thread_time() - cpu0 > wall / 2
             out_template, outs = flatten(out)
             if caller != self.me:
                 # A region's results leave this rank as values (handles live on pp_rank 0 only).

@@ -6,9 +6,10 @@ peers sent it, until a request of its own uses them. Keys are unique across the 
 start with the calling rank and its call id), so one store serves both.
 
 `want(key, dst)` is how a value leaves: sent at once if it is here, else as soon as `put` brings
-it (`later`: with the next frame to dst, when dst does not need it yet). `get(key)` waits for a value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and
-from which rank. Values are dropped per microbatch (`drop_microbatch`) once nothing can ask for
-them any more, and all at the end of a step.
+it (`later`: with the next frame to dst, when dst does not need it yet). `get(key)` waits for a
+value, bounded by SMSHIM_TIMEOUT; the error says what was awaited and from which rank. Values
+are dropped per microbatch (`drop_microbatch`) once nothing can ask for them any more, and all at
+the end of a step.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ class ValueStore:
             if entry is not None:
                 return entry[0]
             wanted = self._wanted.setdefault(key, [])
-            if (dst, True) in wanted:  # asked for later first, now at once
+            if (dst, False) in wanted or (dst, later) in wanted:
+                return None  # asked for already, as soon
+            if (dst, True) in wanted:  # asked for later before, now at once
                 wanted.remove((dst, True))
-            if (dst, False) not in wanted:
-                wanted.append((dst, later))
+            wanted.append((dst, later))
             return None
 
     def peek(self, key: Key) -> Optional[torch.Tensor]:
