@@ -88,7 +88,6 @@ def test_a_holder_taking_the_lock_again_gives_its_place_up():
     assert log == ["backward"]
 
 
-
 def test_ending_a_reservation_lets_other_work_take_the_lock_at_once():
     lock, log = ComputeLock(), []
     lock.GRACE_S = 30.0
