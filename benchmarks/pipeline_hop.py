@@ -51,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from gloo_latency import _one_way  # noqa: E402
+from pipeline_schedules import stage_per_rank  # noqa: E402
 from smshim.testing import run_ranks  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -111,18 +112,10 @@ def _smshim(m: int, steps: int) -> List[tuple]:
     import smdistributed.modelparallel.torch as smp
 
     torch.set_num_threads(1)
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "simple",
-              "active_microbatches": m, "auto_partition": False, "default_partition": 0})
-    module = Pipe(_microbatch)
-    model = smp.DistributedModel(module)
-    for i, stage in enumerate(module.stages):
-        smp.set_partition(stage, i)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x)
-        model.backward(loss)
-        return loss
+    model, train_step = stage_per_rank(
+        {"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "simple",
+         "active_microbatches": m, "auto_partition": False, "default_partition": 0},
+        lambda: Pipe(_microbatch))
 
     x = torch.ones(m, 4)
     records = []

@@ -23,6 +23,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -79,16 +80,14 @@ class SleepPipe(nn.Module):
         return x.sum() if self.glue_loss else x
 
 
-def _smshim(p, m, tf, steps, schedule, glue_loss=False):
+def stage_per_rank(cfg: dict, make_module: Callable[[], nn.Module]):
+    """`smp.init(cfg)`, then the module `make_module` builds, its `stages[i]` on pp rank i, as a
+    user's script would set it up; returns the DistributedModel and an @smp.step function that
+    runs the forward and the backward of the loss (pipeline_hop.py uses it too)."""
     import smdistributed.modelparallel.torch as smp
 
-    # interleaved keeps the default active_microbatches, min(p + 2, m).
-    cfg = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
-           "auto_partition": False, "default_partition": 0}
-    if schedule == "simple":
-        cfg["active_microbatches"] = m
     smp.init(cfg)
-    module = SleepPipe(p, tf, glue_loss)
+    module = make_module()
     model = smp.DistributedModel(module)
     for i, stage in enumerate(module.stages):
         smp.set_partition(stage, i)
@@ -98,6 +97,17 @@ def _smshim(p, m, tf, steps, schedule, glue_loss=False):
         loss = model(x)
         model.backward(loss)
         return loss
+
+    return model, train_step
+
+
+def _smshim(p, m, tf, steps, schedule, glue_loss=False):
+    # interleaved keeps the default active_microbatches, min(p + 2, m).
+    cfg = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
+           "auto_partition": False, "default_partition": 0}
+    if schedule == "simple":
+        cfg["active_microbatches"] = m
+    model, train_step = stage_per_rank(cfg, lambda: SleepPipe(p, tf, glue_loss))
 
     x = torch.ones(m, 4)
     times = []
