@@ -77,6 +77,19 @@ class _RemoteCall(torch.autograd.Function):
         return (None, None, None, *in_grads)
 
 
+def _apply_remote_call(*args):
+    """`_RemoteCall.apply(*args)` without `Function.apply`'s Python wrapper (its checks for
+    `setup_context` and functorch's wrappers cost a tenth of a small module call), unless
+    functorch transforms are active, which need it."""
+    if torch._C._are_functorch_transforms_active():
+        return _RemoteCall.apply(*args)
+    return _C_APPLY(*args)
+
+
+# `Function.apply` calls this after its checks (torch/autograd/function.py).
+_C_APPLY = super(torch.autograd.Function, _RemoteCall).apply
+
+
 # A module with one tensor output (most): its expectation, pickled once per output shape. The
 # owner checks each forward's outputs against the caller's prediction by these bytes.
 _ONE_OUTPUT: Dict[tuple, bytes] = {}
@@ -123,12 +136,15 @@ class CallerSide:
         grad = torch.is_grad_enabled()
         requires = [grad and t.requires_grad and (t.is_floating_point() or t.is_complex())
                     for t in tensors]
-        call = _Call(owner, name, ctx.step, ctx.microbatch, template,
-                     [(t.shape, t.dtype) for t in tensors], requires,
-                     [isinstance(t, RemoteTensor) for t in tensors],
-                     [t.grad_fn is None for t in tensors])
+        if owner == self.me:  # (a local region's backward needs none of the inputs' metadata)
+            call = _Call(owner, name, ctx.step, ctx.microbatch, template, [], requires, [], [])
+        else:
+            call = _Call(owner, name, ctx.step, ctx.microbatch, template,
+                         [(t.shape, t.dtype) for t in tensors], requires,
+                         [isinstance(t, RemoteTensor) for t in tensors],
+                         [t.grad_fn is None for t in tensors])
         if grad:
-            outputs = list(_RemoteCall.apply(self, call, self._anchor, *tensors))
+            outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
         else:
             outputs = self._forward(call, tensors, grad_enabled=False)
         return fill(call.out_template, outputs)
@@ -139,7 +155,7 @@ class CallerSide:
             self.transport.flush()  # held calls to other stages go before this one computes
             values = [self._real(t) for t in tensors]
             if ctx.driver:
-                self.turns.wait(FORWARD, call.microbatch, call.what("forward"))
+                self.turns.wait(FORWARD, call.microbatch, lambda: call.what("forward"))
             call.call_id = next(self._ids)
             out_template, outs, out_rg = self._execute_forward(
                 self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
@@ -201,7 +217,7 @@ class CallerSide:
             self.send_held()
             values = [None if g is None else self._real(g) for g in grads]
             if ctx.driver:
-                self.turns.wait(BACKWARD, call.microbatch, call.what("backward"))
+                self.turns.wait(BACKWARD, call.microbatch, lambda: call.what("backward"))
             in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
                                               call.microbatch, values)
             self.turns.ran(BACKWARD, call.microbatch)

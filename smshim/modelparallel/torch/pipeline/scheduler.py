@@ -24,7 +24,7 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -262,23 +262,13 @@ class ComputeLock:
     def held(self) -> bool:
         return self._held_by == threading.get_ident()
 
-    @contextlib.contextmanager
     def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None,
              more: Optional[Callable[[], bool]] = None,
-             place: Optional[tuple] = None) -> Iterator[None]:
+             place: Optional[tuple] = None) -> ContextManager[None]:
         """Hold the lock for a piece of compute (re-entrant: a holder keeps it); on release,
         reserve it briefly for more work under the same `key` (microbatch, direction) if
         `more()` says more is coming. `place`: the one `keep_place` kept for this work."""
-        if self.held():
-            if place is not None:
-                self.give_up(place)
-            yield
-            return
-        self.acquire(priority, key, place)
-        try:
-            yield
-        finally:
-            self.release(reserve=more is not None and more())
+        return _Hold(self, priority, key, more, place)
 
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:
@@ -293,3 +283,29 @@ class ComputeLock:
             yield
         finally:
             self.acquire(priority, key)
+
+
+class _Hold:
+    """`ComputeLock.hold`'s context (a class: a generator's costs more, around every module call)."""
+
+    __slots__ = ("_lock", "_priority", "_key", "_more", "_place", "_took")
+
+    def __init__(self, lock: ComputeLock, priority: Tuple[int, int], key: Optional[tuple],
+                 more: Optional[Callable[[], bool]], place: Optional[tuple]) -> None:
+        self._lock, self._priority, self._key, self._more, self._place = (
+            lock, priority, key, more, place)
+        self._took = False
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        if lock.held():
+            if self._place is not None:
+                lock.give_up(self._place)
+            return
+        lock.acquire(self._priority, self._key, self._place)
+        self._took = True
+
+    def __exit__(self, *exc) -> None:
+        if self._took:
+            more = self._more
+            self._lock.release(reserve=more is not None and more())

@@ -258,11 +258,12 @@ class OwnerSide:
                     self._saved[(caller, call_id)] = (inputs, outs, mb)
                     if caller == 0:  # (a nested call's graph lives until the step's end)
                         self._graphs[mb] += 1
-                    # Microbatches whose activations this rank holds (for the memory benchmark):
-                    # a graph counts until its backward is over, not only until one starts
-                    # waiting for the compute lock.
-                    live = sum(1 for n in self._graphs.values() if n > 0)
-                    self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+                        if self._graphs[mb] == 1:
+                            # Microbatches whose activations this rank holds (for the memory
+                            # benchmark): a graph counts until its backward is over, not only
+                            # until one starts waiting for the compute lock.
+                            live = sum(1 for n in self._graphs.values() if n > 0)
+                            self.peak_live_microbatches = max(self.peak_live_microbatches, live)
             if deliver is not None:
                 deliver(out_template, outs, out_rg)
             self._hold_place_for_next()

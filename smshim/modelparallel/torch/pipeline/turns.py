@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Union
 
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
@@ -29,8 +29,8 @@ class Turns:
         self._timeout_s = timeout_s
         self._check = check
         self._lock = threading.Lock()
-        self._done: Dict[str, set] = {FORWARD: set(), BACKWARD: set()}
-        self._begun: set = set()  # microbatches whose backward made its first call
+        self._done: Dict[str, _Done] = {FORWARD: _Done(), BACKWARD: _Done()}
+        self._begun = _Done()  # microbatches whose backward made its first call
         # Bodies waiting, (set, microbatch, event): an entry added to a set wakes only the body
         # whose turn it completes (a condition's notify_all would wake every body waiting, each
         # costing a thread switch and a turn at the GIL).
@@ -45,12 +45,17 @@ class Turns:
         with self._lock:
             for s in (*self._done.values(), self._begun):
                 s.clear()
+                s.prefix = 0
             self._runs.clear()
 
-    def wait(self, direction: str, mb: int, what: str) -> None:
-        """Microbatch `mb` is about to run the `what` of one of pp_rank 0's modules: wait until
-        every earlier microbatch has finished `direction` here."""
-        self._wait(self._done[direction], mb, what, "finish")
+    def wait(self, direction: str, mb: int, what: Union[str, Callable[[], str]]) -> None:
+        """Microbatch `mb` is about to run the `what` of one of pp_rank 0's modules (a string,
+        or a function making it, called only for an error): wait until every earlier
+        microbatch has finished `direction` here."""
+        done = self._done[direction]
+        if done.prefix >= mb:  # (read without the lock: within a step, it only grows)
+            return
+        self._wait(done, mb, what, "finish")
 
     def wait_backward_begun(self, mb: int, what: str) -> None:
         """Microbatch `mb`'s backward (`what`) waits until every earlier one's has begun."""
@@ -90,13 +95,16 @@ class Turns:
         done.add(mb)
         self._added_locked(done)
 
-    def _added_locked(self, done: set) -> None:
+    def _added_locked(self, done: "_Done") -> None:
         """An entry was added to `done`: wake the bodies whose turn it was."""
+        while done.prefix in done:
+            done.prefix += 1
         for waiting_on, mb, event in self._waiters:
             if waiting_on is done and _turn_come(done, mb):
                 event.set()
 
-    def _wait(self, done: set, mb: int, what: str, their: str) -> None:
+    def _wait(self, done: "_Done", mb: int, what: Union[str, Callable[[], str]],
+              their: str) -> None:
         deadline = time.monotonic() + self._timeout_s
         with self._lock:
             if _turn_come(done, mb):
@@ -113,6 +121,8 @@ class Turns:
                     event.clear()  # (an entry added after this check sets it again)
                 self._check()
                 if time.monotonic() > deadline:
+                    if callable(what):
+                        what = what()
                     raise PipelineError(
                         f"pp rank 0 waited {self._timeout_s:.0f} s to run the {what}: earlier "
                         f"microbatches {sorted(set(range(mb)) - done)} did not {their} theirs")
@@ -121,6 +131,12 @@ class Turns:
                 self._waiters.remove(waiter)
 
 
-def _turn_come(done: set, mb: int) -> bool:
+class _Done(set):
+    """Microbatches that reached a point, and how many from 0 on did so without a gap."""
+
+    prefix = 0
+
+
+def _turn_come(done: _Done, mb: int) -> bool:
     """Has every microbatch before `mb` reached `done`?"""
-    return len(done) >= mb and all(j in done for j in range(mb))
+    return done.prefix >= mb
