@@ -88,18 +88,30 @@ def test_a_holder_taking_the_lock_again_gives_its_place_up():
     assert log == ["backward"]
 
 
-def test_ending_a_reservation_lets_other_work_take_the_lock_at_once():
+def test_a_retagged_holder_takes_the_lock_back_at_its_new_priority():
+    # pp_rank 0's step body holds the lock from its forward into its backward, and gives it up
+    # while it waits for a gradient: it must take it back as a backward.
     lock, log = ComputeLock(), []
-    lock.GRACE_S = 30.0
-    lock.acquire((1, 2), key=("forward", 2))
-    lock.release(reserve=True)  # reserved for more of microbatch 2's forward
-    backward = _start(lock, (0, 1), log, "backward of another microbatch")
-    time.sleep(0.05)
-    assert log == []  # held back by the reservation
-    lock.unreserve(("forward", 3))  # another key's: changes nothing
-    time.sleep(0.05)
-    assert log == []
-    t0 = time.monotonic()
-    lock.unreserve(("forward", 2))
-    backward.join(5)
-    assert log == ["backward of another microbatch"] and time.monotonic() - t0 < 5
+    lock.acquire((1, 5), key=("forward", 5))
+    lock.retag((0, 5), ("backward", 5))
+    other_may_end = threading.Event()
+
+    def other():
+        with lock.hold((0, 0)):
+            log.append("other")
+            other_may_end.wait(5)
+
+    holder = threading.Thread(target=other, daemon=True)
+    holder.start()
+    while not lock._waiters:
+        time.sleep(0.001)
+    with lock.released():  # the body waits for its gradient; `other` computes meanwhile
+        while log != ["other"]:
+            time.sleep(0.001)
+        later = _start(lock, (0, 7), log, "a later microbatch's backward")
+        threading.Timer(0.1, other_may_end.set).start()
+    log.append("the body's backward")  # (taken back here: before the later microbatch)
+    lock.release()
+    later.join(5)
+    holder.join(5)
+    assert log == ["other", "the body's backward", "a later microbatch's backward"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from smshim.modelparallel.torch.pipeline.scheduler import FORWARD, ComputeLock
+from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
 from smshim.modelparallel.torch.pipeline.server import ModuleServer
 from smshim.timeline.recorder import Timeline
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
@@ -126,7 +126,7 @@ def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
     order = []
 
     def body(mb):
-        server.turns.wait(FORWARD, mb, f"forward of microbatch {mb}")
+        server.turns.wait_forward(mb, f"forward of microbatch {mb}")
         order.append(mb)
 
     threads = [threading.Thread(target=body, args=(mb,), daemon=True) for mb in (1, 2, 3)]
@@ -134,14 +134,14 @@ def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
         t.start()
     wait_until(lambda: len(server.turns._waiters) == 3)
     woken.clear()  # (starting a thread sets an event too)
-    server.turns.done(FORWARD, 0)
+    server.turns.forward_over(0)
     threads[0].join(5)
     assert order == [1]
     assert len(woken) == 1  # microbatches 2 and 3 slept on
     assert [mb for _, mb, _ in server.turns._waiters] == [2, 3]
-    server.turns.done(FORWARD, 1)
+    server.turns.forward_over(1)
     threads[1].join(5)
-    server.turns.done(FORWARD, 2)
+    server.turns.forward_over(2)
     for t in threads:
         t.join(5)
     assert order == [1, 2, 3] and not server.turns._waiters
@@ -152,7 +152,7 @@ def test_a_transport_failure_wakes_the_bodies_waiting_for_their_turn(server):
 
     def body():
         try:
-            server.turns.wait(FORWARD, 2, "forward of microbatch 2")
+            server.turns.wait_forward(2, "forward of microbatch 2")
         except PipelineError as e:
             errors.append(str(e))
 

@@ -224,8 +224,8 @@ def _install_group_forward(model: nn.Module, seq_name: str, seq: nn.Sequential,
         children = [modules[c] for c in unit.modules]
         owner = next(iter(_subtree_owners(unit.modules, assignment)), 0)
         plan.append((unit, ok, children, owner))
-    seq_owner = assignment.get(seq_name, 0)
-    is_root = seq_name == ""
+    # Where the Sequential's forward runs (the root's: on pp_rank 0, its step body).
+    here = 0 if seq_name == "" else assignment.get(seq_name, 0)
 
     def grouped_forward(x: Any) -> Any:
         pipeline = model._pipeline
@@ -233,10 +233,8 @@ def _install_group_forward(model: nn.Module, seq_name: str, seq: nn.Sequential,
             if not ok or ctx.tracing:
                 for c in children:
                     x = c(x)
-            elif pipeline is not None and (owner != seq_owner or is_root):
-                # Run (and later recompute) the group on its owner, as one request; with the
-                # root as the Sequential, pp_rank 0's groups too go through the server, as
-                # regions under its compute lock.
+            elif pipeline is not None and owner != here:
+                # Run (and later recompute) the group on its owner, as one request.
                 x = pipeline.server.call(unit.name, owner, (x,), {})
             else:
                 x = _run_checkpointed(_sequence(children), unit.spec.preserve_rng_state, x)
@@ -245,17 +243,10 @@ def _install_group_forward(model: nn.Module, seq_name: str, seq: nn.Sequential,
     seq.forward = grouped_forward
 
 
-def _sequence(children: Sequence[nn.Module],
-              server: Optional["ModuleServer"] = None,
-              names: Sequence[str] = ()) -> Callable[[Any], Any]:
+def _sequence(children: Sequence[nn.Module]) -> Callable[[Any], Any]:
     def run(x: Any) -> Any:
-        for i, c in enumerate(children):
-            if server is not None and server.is_proxied(c):
-                # A region of pp_rank 0 (a child of the root): this group is already running
-                # under the compute lock, so call its real forward rather than the server.
-                x = server.real_forward(names[i])(x)
-            else:
-                x = c(x)
+        for c in children:
+            x = c(x)
         return x
 
     return run
@@ -301,7 +292,7 @@ def serve_functions(model: nn.Module, server: "ModuleServer") -> None:
             if not isinstance(seq, nn.Sequential):
                 return None
             names = _children(seq, seq_name)[a:b]
-            run = _sequence([modules[n] for n in names], server, names)
+            run = _sequence([modules[n] for n in names])
             return lambda x: _run_checkpointed(run, preserve, x)
         m = _MODULE_NAME.match(name)
         if m is not None and m.group(1) in modules:
@@ -360,7 +351,7 @@ def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy
     model = state.model
     assignment = model._assignment
     names = _children(sequential_module, name)
-    here = assignment.get(name, 0)
+    here = 0 if name == "" else assignment.get(name, 0)  # (the root runs on pp_rank 0)
     if strategy == "each":
         bounds = [(i, i + 1) for i in range(len(children))]
     elif n is not None:
@@ -381,8 +372,7 @@ def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy
                 x = c(x)
             continue
         owner = next(iter(_subtree_owners(names[a:b], assignment)), 0)
-        if owner != here or name == "" or any(pipeline.server.is_proxied(c)
-                                              for c in children[a:b]):
+        if owner != here or any(pipeline.server.is_proxied(c) for c in children[a:b]):
             x = pipeline.server.call(unit.name, owner, (x,), {})
         else:
             x = _run_checkpointed(_sequence(children[a:b]), preserve_rng_state, x)

@@ -19,7 +19,6 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
-from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
@@ -132,17 +131,19 @@ class CallerSide:
             raise FwdExecutionNotInStepFnError(
                 f"module '{name}' lives on pipeline rank {owner}: it can only run inside an "
                 "@smp.step function")
+        if owner == self.me:
+            # A function served under a name (activation checkpointing's groups of the root's
+            # children) called where it lives: pp_rank 0's step body runs its own modules in
+            # its own graph, under the compute lock it holds (pipeline.py).
+            return self.real_forward(name)(*args, **kwargs)
         template, tensors = flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         requires = [grad and t.requires_grad and (t.is_floating_point() or t.is_complex())
                     for t in tensors]
-        if owner == self.me:  # (a local region's backward needs none of the inputs' metadata)
-            call = _Call(owner, name, ctx.step, ctx.microbatch, template, [], requires, [], [])
-        else:
-            call = _Call(owner, name, ctx.step, ctx.microbatch, template,
-                         [(t.shape, t.dtype) for t in tensors], requires,
-                         [isinstance(t, RemoteTensor) for t in tensors],
-                         [t.grad_fn is None for t in tensors])
+        call = _Call(owner, name, ctx.step, ctx.microbatch, template,
+                     [(t.shape, t.dtype) for t in tensors], requires,
+                     [isinstance(t, RemoteTensor) for t in tensors],
+                     [t.grad_fn is None for t in tensors])
         if grad:
             outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
         else:
@@ -151,18 +152,6 @@ class CallerSide:
 
 
     def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
-        if call.owner == self.me:  # a local region: the same path, without the network
-            self.transport.flush()  # held calls to other stages go before this one computes
-            values = [self._real(t) for t in tensors]
-            if ctx.driver:
-                self.turns.wait(FORWARD, call.microbatch, lambda: call.what("forward"))
-            call.call_id = next(self._ids)
-            out_template, outs, out_rg = self._execute_forward(
-                self.me, call.call_id, call.module, call.step, call.microbatch, call.template,
-                values, call.requires, grad_enabled)
-            self.turns.ran(FORWARD, call.microbatch)
-            call.out_template, call.out_requires_grad = out_template, out_rg
-            return [t.detach() for t in outs]
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
@@ -212,16 +201,6 @@ class CallerSide:
 
     def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
         n = len(call.requires)
-        if call.owner == self.me:
-            self._note_backward_begun(call.microbatch)
-            self.send_held()
-            values = [None if g is None else self._real(g) for g in grads]
-            if ctx.driver:
-                self.turns.wait(BACKWARD, call.microbatch, lambda: call.what("backward"))
-            in_grads = self._execute_backward(self.me, call.call_id, call.module, call.step,
-                                              call.microbatch, values)
-            self.turns.ran(BACKWARD, call.microbatch)
-            return in_grads + [None] * (n - len(in_grads))
         sync = self.me != 0
         enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)
         # Gradients this rank will need as values come unasked; the others stay with the owner
@@ -331,11 +310,19 @@ class CallerSide:
 
 
     def send_held(self) -> None:
-        """Send what this thread held; a step body then gives up the compute lock's reservation
-        its forward kept (see OwnerSide._execute_forward)."""
+        """Send what this thread held (`Transport.send(hold=True)`) now."""
         self.transport.flush()
-        if ctx.driver:
-            self.lock.unreserve((FORWARD, ctx.microbatch))
+
+
+    def _before_wait(self) -> None:
+        """This thread is about to wait on a peer with the compute lock given up. What it held
+        leaves first (it may be what the wait is for), queued requests get a runner of their
+        own, and a step body waiting in its forward gives the next microbatch's forward its
+        turn: what it waits for comes from the later stages, after its own modules ran."""
+        self.transport.flush()
+        self._runq.step_down()
+        if ctx.driver and not ctx.forward_done:
+            self.turns.forward_over(ctx.microbatch)
 
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:
@@ -356,8 +343,7 @@ class CallerSide:
 
     def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
-        self.send_held()  # what this thread held may be what the reply waits for
-        self._runq.step_down()
+        self._before_wait()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
                 msg = box.get(timeout=self.timeout_s)
@@ -382,8 +368,7 @@ class CallerSide:
         value = self.store.peek(key)
         if value is not None:
             return value
-        self.send_held()
-        self._runq.step_down()
+        self._before_wait()
         with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:
                 return self.store.get(key, lambda: (

@@ -13,9 +13,14 @@ peer called from inside its own first waits for that peer to be done: server.fin
 
 Thread roles on pp_rank 0: the caller's thread starts the first microbatches and waits for the
 step's end (a body whose backward makes room for another microbatch starts it); one worker per
-microbatch in flight runs the body and the root module's forward, which is glue code and holds no
-lock; the root's children run as regions under the compute lock (server.py), like requests;
-transport threads move messages; server threads answer peers' calls into rank 0's modules.
+microbatch in flight runs the body: the root module's forward, with pp_rank 0's own modules
+called where the code calls them, in the body's own autograd graph, and its backward. A body
+holds the compute lock while it runs (pp_rank 0 computes one thing at a time, by the schedule's
+priority, as every rank does), taking it in microbatch order (turns.py) and giving it up whenever
+it waits: for a value from a peer, or for the schedule's permission to start its backward. So a
+body's calls to the later stages leave before another microbatch computes here, and rank 0's
+modules cost what they cost in one process, not a request each. Transport threads move messages;
+server threads answer peers' calls into rank 0's modules.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +64,7 @@ class Pipeline:
         # run (bit-identical results) at the cost of overlapping backwards across microbatches.
         self.deterministic = deterministic
         self._backward_finished: set = set()
+        self._live: set = set()  # microbatches whose activations rank 0 holds
         self.timeline = timeline
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
@@ -83,8 +89,8 @@ class Pipeline:
         self._reduce_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-reduce",
                                                initializer=adopt_intra_op_threads)
         if pp_rank != 0:
-            # pp_rank 0 also computes in the root's glue code, outside any region: it reduces at
-            # the end of the step.
+            # (pp_rank 0's backward is its step bodies', which end with the step: it reduces
+            # then.)
             self.server.on_local_backward_done = self._on_local_backward_done
         # The caller's thread waits on _cond (for the step's end); bodies wait at the gate for
         # their backward's permission, woken only when it may have come: with every body
@@ -123,9 +129,26 @@ class Pipeline:
             self._bodies.run(self._job, self._started)
             self._started += 1
 
+    def _trace(self, kind: str, mb: int, step: int) -> Optional[Callable[[], ContextManager]]:
+        """The timeline span of each stretch a body computes under the compute lock, in
+        direction `kind` (None when no timeline is recorded)."""
+        if not self.timeline.enabled:
+            return None
+        return lambda: self.timeline.span(f"step body, microbatch {mb}", kind, microbatch=mb,
+                                          step=step)
+
+    def _count_live(self, mb: int) -> None:
+        """Microbatch `mb` starts its forward with grad enabled: rank 0 holds its activations
+        until its backward is over (for the memory benchmark)."""
+        with self._cond:
+            self._live.add(mb)
+            self.server.peak_live_microbatches = max(self.server.peak_live_microbatches,
+                                                     len(self._live))
+
     def _backward_over_locked(self, mb: int) -> None:
         """(Under _cond.) Microbatch `mb`'s backward here is over (or it will have none): it no
         longer counts against rank 0's limit."""
+        self._live.discard(mb)
         self._backward_finished.add(mb)
         self._start_admitted_locked()
         if self._caller_may_act():
@@ -140,6 +163,7 @@ class Pipeline:
         self._schedule = schedule
         self._forwards_done = 0
         self._backward_finished = set()
+        self._live = set()
         self._started = self._finished = 0
         self._errors = errors = []
         self.server.begin_step(m, schedule, self.step)
@@ -158,6 +182,11 @@ class Pipeline:
             state.microbatch = mb
             try:
                 args, kwargs = mb_inputs[mb]
+                self.server.turns.wait_forward(mb, lambda: f"forward of microbatch {mb}")
+                if grad_enabled:
+                    self._count_live(mb)
+                self.lock.acquire(schedule.priority(FORWARD, mb), (FORWARD, mb),
+                                  trace=self._trace(FORWARD, mb, step))
                 with torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                     out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
@@ -167,11 +196,11 @@ class Pipeline:
                 self.transport.fail(PipelineError(
                     f"pp rank 0: the step body failed on microbatch {mb}: {type(e).__name__}: {e}"))
             finally:
-                self.lock.unreserve((FORWARD, mb))
+                if self.lock.held():
+                    self.lock.release()
                 ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
                 self.server.turns.backward_begun(mb)  # (if it never called model.backward)
-                self.server.turns.done(FORWARD, mb)
-                self.server.turns.done(BACKWARD, mb)
+                self.server.turns.forward_over(mb)
                 with self._cond:
                     self._finished += 1
                     self._backward_over_locked(mb)
@@ -230,31 +259,44 @@ class Pipeline:
             return schedule.may_start_backward(self._forwards_done) and not (
                 self.deterministic and not self._backward_finished.issuperset(range(mb)))
 
+        # From here the body's work is its backward: it takes the compute lock back at that
+        # priority after a wait (and records no span while it only waits).
+        priority, key = schedule.priority(BACKWARD, mb), (BACKWARD, mb)
+        if self.lock.held():
+            self.lock.retag(priority, key)
         with self._backward_gate:
-            waits = schedule.backwards_begin_in_order or not may_start()
-        if waits:
+            waits = not may_start()
+        if waits or schedule.backwards_begin_in_order:
             # The forward's calls leave before this thread waits. (If it need not wait, they
             # leave with the backward's requests that follow at once: one frame, not two.)
             self.server.send_held()
-        with self._backward_gate:
-            while not may_start():
-                self.transport.check()
-                if time.monotonic() > deadline:
-                    raise PipelineError(
-                        f"microbatch {mb} waited {self.timeout_s:.0f} s to start its backward: "
-                        f"only {self._forwards_done} of {schedule.microbatches} forwards "
-                        "finished (does every microbatch call model.backward?)")
-                self._backward_gate.wait(timeout=1.0)
+        if waits:
+            with self.lock.released(), self._backward_gate:
+                while not may_start():
+                    self.transport.check()
+                    if time.monotonic() > deadline:
+                        raise PipelineError(
+                            f"microbatch {mb} waited {self.timeout_s:.0f} s to start its "
+                            f"backward: only {self._forwards_done} of {schedule.microbatches} "
+                            "forwards finished (does every microbatch call model.backward?)")
+                    self._backward_gate.wait(timeout=1.0)
         if schedule.backwards_begin_in_order:
             self.server.turns.wait_backward_begun(mb, (
                 f"backward of microbatch {mb} (step {ctx.step}; the {schedule.name} schedule "
-                "begins backwards in microbatch order)"))
-        # The root's own glue runs lock-free; its modules take the compute lock in their regions
-        # (and record their own timeline spans).
-        torch.autograd.backward(tensors, grad_tensors)
+                "begins backwards in microbatch order)"), waiting=self.lock.released)
+        # The body goes on holding the compute lock: its requests to the later stages leave
+        # first (it gives the lock up once it waits for their gradients).
+        trace = self._trace(BACKWARD, mb, ctx.step)
+        if self.lock.held():
+            self.lock.retag(priority, key, trace)
+        else:  # (a second model.backward in one body)
+            self.lock.acquire(priority, key, trace=trace)
+        try:
+            torch.autograd.backward(tensors, grad_tensors)
+        finally:
+            self.lock.release()
         self.server.turns.backward_begun(mb)  # (if it called no module)
         self.server.send_held()
-        self.server.turns.done(BACKWARD, mb)
         with self._cond:
             self._backward_over_locked(mb)
 
@@ -263,7 +305,7 @@ class Pipeline:
         if ctx.forward_done:
             return
         ctx.forward_done = True
-        self.server.turns.done(FORWARD, mb)
+        self.server.turns.forward_over(mb)
         self.server.forward_done(mb)
         # Only the bodies at the gate wait on the count (the caller's thread admits microbatches
         # by backwards finished, not forwards done).

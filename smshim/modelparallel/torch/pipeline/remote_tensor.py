@@ -104,14 +104,19 @@ class RemoteTensor(torch.Tensor):
             cell = _Cell(-1, None, "sum of gradients", _mb(a, b), _resolve_sum,
                          terms=_terms(a) + _terms(b), step=_step(a, b))
             return RemoteTensor(cell, a.shape, a.dtype, a.device)
-        written = _written_args(func, args)
+        written = _written_args(func)
 
         def unwrap(x):
             return x.materialize() if isinstance(x, RemoteTensor) else x
 
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if any(type(a) in (list, tuple) for a in (*args, *kwargs.values())):  # (aten.cat's list)
+            out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        else:
+            # Flat arguments (most ops: autograd summing a gradient, a backward's matmul)
+            # without pytree's walk, which cost more than the op on a small tensor.
+            out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
         for i in written:
-            if isinstance(args[i], RemoteTensor):
+            if i < len(args) and isinstance(args[i], RemoteTensor):
                 # Modified in place here: from now on this copy is the value (sent inline).
                 args[i]._cell.owner, args[i]._cell.key, args[i]._cell.terms = -1, None, None
                 if out is args[i]._cell.value:
@@ -163,11 +168,15 @@ def _resolve_sum(cell: _Cell) -> torch.Tensor:
     return total
 
 
-def _written_args(func, args) -> List[int]:
+def _written_args(func) -> List[int]:
     """Positions of the arguments an op writes to (in-place and out= ops)."""
-    try:
-        schema = func._schema
-    except AttributeError:
-        return []
-    return [i for i, a in enumerate(schema.arguments[:len(args)])
+    written = _WRITTEN.get(func)
+    if written is None:
+        schema = getattr(func, "_schema", None)
+        written = _WRITTEN[func] = [] if schema is None else [
+            i for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write]
+    return written
+
+
+_WRITTEN: dict = {}  # op -> _written_args(op)

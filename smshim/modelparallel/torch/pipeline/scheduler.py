@@ -206,7 +206,11 @@ class ComputeLock:
         return True
 
     def acquire(self, priority: Tuple[int, int], key: Optional[tuple] = None,
-                place: Optional[tuple] = None) -> None:
+                place: Optional[tuple] = None,
+                trace: Optional[Callable[[], ContextManager]] = None) -> None:
+        """Take the lock at `priority` (see the class). `trace`: a timeline span to open for
+        each stretch this thread holds the lock (closed when it gives the lock up, reopened
+        when `released` takes it back)."""
         me = threading.get_ident()
         with self._mutex:
             # Work that kept a place waits from there (first among its equals that came later).
@@ -241,8 +245,10 @@ class ComputeLock:
             self.on_waited()
         self._local.priority = priority
         self._local.key = key
+        self._open_span(trace)
 
     def release(self, reserve: bool = False) -> None:
+        self._close_span()
         with self._mutex:
             self._held_by = None
             key = getattr(self._local, "key", None)
@@ -250,14 +256,27 @@ class ComputeLock:
                 self._reserved, self._reserved_until = key, time.monotonic() + self.GRACE_S
             self._wake_next()
 
-    def unreserve(self, key: tuple) -> None:
-        """End a reservation for `key` now (its holder has nothing more to run under it)."""
-        if self._reserved != key:  # (read without the mutex: the usual case costs nothing)
-            return
-        with self._mutex:
-            if self._reserved == key:
-                self._reserved = None
-                self._wake_next()
+    def retag(self, priority: Tuple[int, int], key: Optional[tuple] = None,
+              trace: Optional[Callable[[], ContextManager]] = None) -> None:
+        """The holder's work goes on at another priority (and `trace`): it takes the lock back
+        at this one after a wait (`released`). (pp_rank 0's step body moving from its forward
+        to its backward.)"""
+        self._close_span()
+        self._local.priority = priority
+        self._local.key = key
+        self._open_span(trace)
+
+    def _open_span(self, trace: Optional[Callable[[], ContextManager]]) -> None:
+        self._local.trace = trace
+        if trace is not None:
+            span = self._local.span = trace()
+            span.__enter__()
+
+    def _close_span(self) -> None:
+        span = getattr(self._local, "span", None)
+        if span is not None:
+            self._local.span = None
+            span.__exit__(None, None, None)
 
     def held(self) -> bool:
         return self._held_by == threading.get_ident()
@@ -277,12 +296,12 @@ class ComputeLock:
         if not self.held():
             yield
             return
-        priority, key = self._local.priority, self._local.key
+        priority, key, trace = self._local.priority, self._local.key, self._local.trace
         self.release()
         try:
             yield
         finally:
-            self.acquire(priority, key)
+            self.acquire(priority, key, trace=trace)
 
 
 class _Hold:

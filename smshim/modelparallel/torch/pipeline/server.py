@@ -40,9 +40,8 @@ inputs are here wait in a run queue (run_queue.py) that one thread at a time run
 order: the next request, of this microbatch or the next one, starts on the thread that finished
 the last (no hand-off between threads), and keeps its place in the compute lock meanwhile; a
 forward the schedule does not admit yet stays queued until it is. Results for other ranks are
-sent (small ones) or queued before the lock is given up. On pp_rank 0 the next microbatch's turn
-at its own modules comes as soon as this one has run as many of them as a microbatch does, not
-when its glue code (which sends the calls to the other stages) is over (turns.py).
+sent (small ones) or queued before the lock is given up. pp_rank 0's own modules are not served
+here: its step bodies call them directly, holding the compute lock (pipeline.py, turns.py).
 Each rank's linear layers keep what their weight gradients need and a thread computes them when
 nothing else waits for the compute lock (weight_grad.py: off the critical path, in the
 pipeline's bubbles); the step's end computes what is left and hands them over as `.grad` before
@@ -180,9 +179,9 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
 
     # Proxies -------------------------------------------------------------------------------
     def install_proxies(self) -> None:
-        """Route calls: modules owned elsewhere go to their owner; on pp_rank 0, the modules the
-        root's glue code calls directly become local regions, so that glue (which runs in the
-        microbatch threads) never holds the compute lock."""
+        """Route calls: modules owned elsewhere go to their owner. (This rank's own modules run
+        where they are called: in a served request, or in pp_rank 0's step body, which holds
+        the compute lock while it computes: pipeline.py.)"""
         if not self._fused:
             self._fused = weight_grad.install(
                 self.modules, lambda name: self.assignment.get(name, 0) == self.me,
@@ -193,12 +192,11 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
             self._wgrad_thread.start()
         for name, module in self.modules.items():
             self._real_forward.setdefault(name, module.forward)
-        regions = set(_glue_callees(self.root, self.assignment)) if self.me == 0 else set()
         for name, owner in self.assignment.items():
             module = self.modules.get(name)
             if module is None or name == "":
                 continue
-            if owner != self.me or name in regions:
+            if owner != self.me:
                 if "forward" in module.__dict__:  # e.g. an activation-checkpointing wrapper
                     self._instance_forward[id(module)] = module.__dict__["forward"]
                 module.forward = _make_proxy(self, name, owner)
@@ -217,7 +215,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self._proxy_ids.clear()
 
     def is_proxied(self, module: nn.Module) -> bool:
-        """Calls of `module` on this rank go through the server (owned elsewhere, or a region)."""
+        """Calls of `module` on this rank go through the server (it is owned elsewhere)."""
         return id(module) in self._proxy_ids
 
     def real_forward(self, name: str) -> Callable[..., Any]:
@@ -351,17 +349,4 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
 # Behind every schedule's priorities ((0 or 1, microbatch)): work done only when none waits.
 _IDLE_PRIORITY = (2, 0)
 
-
-def _glue_callees(root: nn.Module, assignment: Dict[str, int]):
-    """Names of pp_rank 0's modules that the root's forward calls directly: its children, and the
-    children of containers it indexes into (ModuleList/ModuleDict have no forward of their own)."""
-    def walk(prefix: str, module: nn.Module):
-        for cname, child in module.named_children():
-            name = f"{prefix}.{cname}" if prefix else cname
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                yield from walk(name, child)
-            elif assignment.get(name) == 0:
-                yield name
-
-    return walk("", root)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-import time
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -26,11 +25,6 @@ from smshim.modelparallel.torch.precision import autocast_state
 from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
-
-# A forward region of pp_rank 0's step body that took longer than this and spent most of it off
-# the CPU waited (for a device, say): its body keeps no reservation (see _execute_forward).
-_WAITING_REGION_S = 0.001
-
 
 def _needs(msg: Message) -> List[Any]:
     """The store keys a FWD_REQ / BWD_REQ waits for."""
@@ -218,39 +212,25 @@ class OwnerSide:
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
         results on their way to another rank leave before the next module here starts. `place`:
         the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
-        the caller's autocast state (a local region runs in the caller's thread, under its own)."""
+        the caller's autocast state."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
-        # A step body on pp_rank 0 whose module computed on the CPU keeps the lock reserved
-        # until its next region or until its requests to the next stages have left
-        # (CallerSide.send_held). Else another microbatch's backward takes the lock as soon as
-        # the body's last region ends and shares the core with the body while it issues those
-        # requests: the next stage waited 0.5-1 ms longer for every other microbatch. (A module
-        # that waited instead, for a device say, leaves the core free: nothing to keep.)
-        driver = caller == self.me and ctx.driver
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                            lambda: self._more_regions(FORWARD, mb) or driver, place):
+                            lambda: self._more_regions(FORWARD, mb), place):
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                     caller=caller), \
                     torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                 args, kwargs = fill(template, inputs)
-                if driver:
-                    wall0, cpu0 = time.perf_counter(), time.thread_time()
                 out = self.real_forward(name)(*args, **kwargs)
-                if driver:
-                    wall = time.perf_counter() - wall0
-                    # (A short region counts as compute even if the thread lost its core
-                    # for part of it.)
-                    driver = wall < _WAITING_REGION_S or time.thread_time() - cpu0 > wall / 2
             out_template, outs = flatten(out)
-            if caller != self.me:
-                # A region's results leave this rank as values (handles live on pp_rank 0 only).
-                # A handle that is part of the graph (a lazy sum of a call's output and a value,
-                # say) is read through its dispatch (`clone`), which keeps it there: its raw
-                # value would cut the backward off from the module's parameters.
-                outs = [t.clone() if isinstance(t, RemoteTensor) and t.requires_grad
-                        else self._real(t) for t in outs]
+            # The results leave this rank as values (handles live on pp_rank 0 only, and its
+            # own modules run in its step bodies, not here). A handle that is part of the graph
+            # (a lazy sum of a call's output and a value, say) is read through its dispatch
+            # (`clone`), which keeps it there: its raw value would cut the backward off from
+            # the module's parameters.
+            outs = [t.clone() if isinstance(t, RemoteTensor) and t.requires_grad
+                    else self._real(t) for t in outs]
             out_rg = [grad_enabled and t.requires_grad for t in outs]
             if any(out_rg):
                 with self._cond:

@@ -1,24 +1,23 @@
-"""pp_rank 0's microbatches take turns at its own modules.
+"""pp_rank 0's microbatches take turns at its forward.
 
-pp_rank 0 runs the step body of several microbatches at once, one worker thread each. Left alone,
-their calls into pp_rank 0's own modules would interleave module by module and delay every later
-stage. Instead a microbatch's module waits until every earlier microbatch has finished that
-direction here: stage 0 runs one microbatch's forward (backward) through all its modules before
-the next one's, as a pipeline stage should. A microbatch finishes a direction when its code for it
-is over, or as soon as it has run as many of pp_rank 0's modules as a microbatch runs (learned from
-the microbatches before): its remaining glue code only sends calls to the other stages, and the
-next microbatch computes meanwhile. Schedules whose backwards begin in microbatch order also wait
-here until the earlier microbatches' backwards have begun.
+pp_rank 0 runs the step body of several microbatches at once, one worker thread each, and a body
+computes (pp_rank 0's own modules) under the compute lock, which goes by priority to the threads
+waiting for it. A body that starts its forward while the one before has not started yet must not
+overtake it: stage 0 runs the microbatches' forwards in order, as a pipeline stage should. So a
+body waits here, before it takes the lock, until every earlier microbatch has had its turn. A
+microbatch's turn is over when its forward code is, or as soon as that code first waits for a
+peer (a value from a later stage: its own modules have run, and the next microbatch computes
+meanwhile). Schedules whose backwards begin in microbatch order also wait here until the earlier
+microbatches' backwards have begun.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import threading
 import time
-from typing import Callable, Dict, List, Union
+from typing import Callable, ContextManager, List, Union
 
-from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
 
 
@@ -29,37 +28,42 @@ class Turns:
         self._timeout_s = timeout_s
         self._check = check
         self._lock = threading.Lock()
-        self._done: Dict[str, _Done] = {FORWARD: _Done(), BACKWARD: _Done()}
+        self._forward = _Done()  # microbatches whose forward turn is over
         self._begun = _Done()  # microbatches whose backward made its first call
         # Bodies waiting, (set, microbatch, event): an entry added to a set wakes only the body
         # whose turn it completes (a condition's notify_all would wake every body waiting, each
         # costing a thread switch and a turn at the GIL).
         self._waiters: List[tuple] = []
-        # Own modules a microbatch ran, by (direction, microbatch), and how many a microbatch
-        # runs in all (learned from microbatches whose code for it was over; kept across steps).
-        self._runs: collections.Counter = collections.Counter()
-        self._per_mb = {FORWARD: 0, BACKWARD: 0}
 
     def reset(self) -> None:
         """A new step."""
         with self._lock:
-            for s in (*self._done.values(), self._begun):
+            for s in (self._forward, self._begun):
                 s.clear()
                 s.prefix = 0
-            self._runs.clear()
 
-    def wait(self, direction: str, mb: int, what: Union[str, Callable[[], str]]) -> None:
-        """Microbatch `mb` is about to run the `what` of one of pp_rank 0's modules (a string,
-        or a function making it, called only for an error): wait until every earlier
-        microbatch has finished `direction` here."""
-        done = self._done[direction]
-        if done.prefix >= mb:  # (read without the lock: within a step, it only grows)
+    def wait_forward(self, mb: int, what: Union[str, Callable[[], str]]) -> None:
+        """Microbatch `mb`'s body is about to run its forward (`what`: a string, or a function
+        making it, called only for an error): wait until every earlier microbatch has had its
+        turn."""
+        if self._forward.prefix >= mb:  # (read without the lock: within a step, it only grows)
             return
-        self._wait(done, mb, what, "finish")
+        self._wait(self._forward, mb, what, "finish")
 
-    def wait_backward_begun(self, mb: int, what: str) -> None:
-        """Microbatch `mb`'s backward (`what`) waits until every earlier one's has begun."""
-        self._wait(self._begun, mb, what, "begin")
+    def forward_over(self, mb: int) -> None:
+        """Microbatch `mb`'s forward turn is over."""
+        with self._lock:
+            self._forward.add(mb)
+            self._added_locked(self._forward)
+
+    def wait_backward_begun(self, mb: int, what: str,
+                            waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        """Microbatch `mb`'s backward (`what`) waits until every earlier one's has begun, inside
+        `waiting()` if it must wait (the compute lock given up, say)."""
+        if self._begun.prefix >= mb:
+            return
+        with waiting():
+            self._wait(self._begun, mb, what, "begin")
 
     def has_begun(self, mb: int) -> bool:
         return mb in self._begun
@@ -71,29 +75,11 @@ class Turns:
             self._begun.add(mb)
             self._added_locked(self._begun)
 
-    def ran(self, direction: str, mb: int) -> None:
-        """Microbatch `mb` ran one of pp_rank 0's modules in `direction`."""
-        with self._lock:
-            self._runs[(direction, mb)] += 1
-            if 0 < self._per_mb[direction] <= self._runs[(direction, mb)]:
-                self._finished_locked(direction, mb)
-
-    def done(self, direction: str, mb: int) -> None:
-        """Microbatch `mb`'s code for `direction` is over."""
-        with self._lock:
-            self._per_mb[direction] = max(self._per_mb[direction], self._runs[(direction, mb)])
-            self._finished_locked(direction, mb)
-
     def wake_all(self) -> None:
         """The pipeline failed: every waiter looks at `check()`."""
         with self._lock:
             for _, _, event in self._waiters:
                 event.set()
-
-    def _finished_locked(self, direction: str, mb: int) -> None:
-        done = self._done[direction]
-        done.add(mb)
-        self._added_locked(done)
 
     def _added_locked(self, done: "_Done") -> None:
         """An entry was added to `done`: wake the bodies whose turn it was."""
