@@ -262,10 +262,15 @@ def _loop(trace_dir: str, m: int, first_step: int, last_step: int) -> Dict[str, 
                           if e["ph"] == "X" and "value" in e["name"]]
             grad_recvs = [e for e in spans(0, "transfer", step, k)
                           if e["ph"] == "i" and "value" in e["name"]]
-            back, fwd = spans(0, "backward", step, k), spans(0, "forward", step, k + 2)
-            if not (grad_sends and grad_recvs and back and fwd):
+            if not (grad_sends and grad_recvs):
                 continue
             post_v, recv_v = grad_sends[-1], grad_recvs[-1]  # (the loss's value goes first)
+            # (Stage 0's step body records a span per stretch it computes: its backward's
+            # first issues the requests to stage 1, then it waits for the gradient.)
+            back = [e for e in spans(0, "backward", step, k) if e["ts"] >= recv_v["ts"]]
+            fwd = spans(0, "forward", step, k + 2)
+            if not (back and fwd):
+                continue
             f_end = fwd[-1]["ts"] + fwd[-1]["dur"]
             out = next((e for e in ev[0] if e.get("cat") == "transfer" and e["ph"] == "X"
                         and "fwd_req" in e["name"] and e["ts"] >= f_end), None)

@@ -92,8 +92,12 @@ class RunQueue:
         """The first queued entry that may start (or None), and the count of changes seen."""
         with self._lock:
             changes = self._changes
-            if self._may_start is None:
-                return (self._heap[0] if self._heap else None), changes
+            head = self._heap[0] if self._heap else None
+            if head is None or self._may_start is None:
+                return head, changes
+        if self._may_start(head[2]):  # (the usual case: no sort)
+            return head, changes
+        with self._lock:
             entries = sorted(self._heap)
         return next((e for e in entries if self._may_start(e[2])), None), changes
 
@@ -154,8 +158,12 @@ class RunQueue:
                             self._owner = self._waiting = None
                             return
                         continue
-                    self._heap.remove(entry)  # (only the runner takes entries out)
-                    heapq.heapify(self._heap)
+                    # (Only the runner takes entries out.)
+                    if self._heap[0] is entry:
+                        heapq.heappop(self._heap)
+                    else:
+                        self._heap.remove(entry)
+                        heapq.heapify(self._heap)
                 item = entry[2]
                 del entry
                 self._run(item)

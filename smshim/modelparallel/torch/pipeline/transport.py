@@ -274,8 +274,10 @@ class Transport:
             self.flush()
 
     def _count(self, peer: int, msg: Message) -> None:
-        self.sent_messages[(msg.kind, peer)] += 1
-        self.sent_bytes[(msg.kind, peer)] += _nbytes(msg)
+        key = (msg.kind, peer)
+        self.sent_messages[key] += 1
+        if msg.tensors:
+            self.sent_bytes[key] += _nbytes(msg)
 
     def _send(self, peer: int, msgs: List[Message],
               done: Optional[threading.Event]) -> Optional[threading.Event]:
