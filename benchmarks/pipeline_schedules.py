@@ -44,6 +44,9 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # A kernel reads its input before it computes: the gradient must be here (on pp_rank 0
+        # it may be a handle to one still on its way from the next stage).
+        g = g.clone()
         with DEVICE_LOCK:
             time.sleep(ctx.tb)
         return g, None, None

@@ -25,12 +25,13 @@ class Admission:
     def _more_regions(self, kind: str, mb: int) -> bool:
         """Count a module run here for microbatch `mb` in direction `kind`; does this rank
         expect more for it? (As many as the microbatch that needed the most, learned as the
-        steps go: a stage's share of a microbatch's calls is the same every time.)"""
-        with self._cond:
-            self._regions_done[(kind, mb)] += 1
-            n = self._regions_done[(kind, mb)]
-            self._regions_per_mb[kind] = max(self._regions_per_mb[kind], n)
-            return n < self._regions_per_mb[kind]
+        steps go: a stage's share of a microbatch's calls is the same every time.) Called by
+        the compute lock's holder only, as it gives the lock up: no other lock needed."""
+        n = self._regions_done[(kind, mb)] = self._regions_done[(kind, mb)] + 1
+        per_mb = self._regions_per_mb
+        if n > per_mb[kind]:
+            per_mb[kind] = n
+        return n < per_mb[kind]
 
 
     def _priority(self, kind: str, mb: int):

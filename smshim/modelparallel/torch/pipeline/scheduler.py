@@ -163,6 +163,16 @@ class ComputeLock:
             return None, None  # a kept place comes first
         return first, None
 
+    def _free_for(self, priority: Tuple[int, int], key: Optional[tuple]) -> bool:
+        """(under the mutex) May work of this priority and key take the lock at once, with
+        nobody waiting: what `_next` would say of it as the only waiter."""
+        if self._held_by is not None or self._waiters:
+            return False
+        if self._places and self._places[0][0] < priority:
+            return False
+        return (self._reserved is None or self._reserved == key
+                or self._reserved_until <= time.monotonic())
+
     def _wake_next(self) -> None:
         """(under the mutex) The lock is free, or what decides who gets it changed: wake the
         waiter that may take it, or, while a reservation runs with none of its work waiting,
@@ -215,6 +225,13 @@ class ComputeLock:
         with self._mutex:
             # Work that kept a place waits from there (first among its equals that came later).
             seq = place[1] if place is not None and self._drop_place(place) else next(self._seq)
+            if self._free_for(priority, key):  # (the usual case on a busy rank: no queue)
+                self._held_by = me
+                self._reserved = None
+                self._local.priority = priority
+                self._local.key = key
+                self._open_span(trace)
+                return
             event = getattr(self._local, "event", None)  # (a thread waits in one acquire at a time)
             if event is None:
                 event = self._local.event = threading.Event()
