@@ -109,7 +109,8 @@ class RemoteTensor(torch.Tensor):
         def unwrap(x):
             return x.materialize() if isinstance(x, RemoteTensor) else x
 
-        if any(type(a) in (list, tuple) for a in (*args, *kwargs.values())):  # (aten.cat's list)
+        if any(type(a) in (list, tuple) and any(isinstance(x, RemoteTensor) for x in a)
+               for a in (*args, *kwargs.values())):  # (aten.cat's list of tensors, say)
             out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         else:
             # Flat arguments (most ops: autograd summing a gradient, a backward's matmul)
