@@ -88,12 +88,12 @@ def test_a_holder_taking_the_lock_again_gives_its_place_up():
     assert log == ["backward"]
 
 
-def test_a_retagged_holder_takes_the_lock_back_at_its_new_priority():
+def test_a_holder_tagged_anew_takes_the_lock_back_as_its_new_work():
     # pp_rank 0's step body holds the lock from its forward into its backward, and gives it up
     # while it waits for a gradient: it must take it back as a backward.
     lock, log = ComputeLock(), []
     lock.acquire((1, 5), key=("forward", 5))
-    lock.retag((0, 5), ("backward", 5))
+    lock.tag((0, 5), ("backward", 5))
     other_may_end = threading.Event()
 
     def other():

@@ -314,15 +314,21 @@ class CallerSide:
         self.transport.flush()
 
 
-    def _before_wait(self) -> None:
+    def _before_wait(self) -> bool:
         """This thread is about to wait on a peer with the compute lock given up. What it held
-        leaves first (it may be what the wait is for), queued requests get a runner of their
-        own, and a step body waiting in its forward gives the next microbatch's forward its
-        turn: what it waits for comes from the later stages, after its own modules ran."""
+        leaves first (it may be what the wait is for), and queued requests get a runner of their
+        own. A step body waiting in its forward gives the next microbatch's forward its turn:
+        what it waits for comes from the later stages, after its own modules ran. Returns
+        whether to take the lock back after the wait: not such a body's, whose forward code
+        left (a loss computed from the last stage's output, say) runs as glue, without the lock,
+        as the next microbatch's forward may hold it for long (a device's compute) and this
+        microbatch's backward must not wait for that; its backward takes the lock again."""
         self.transport.flush()
         self._runq.step_down()
         if ctx.driver and not ctx.forward_done:
             self.turns.forward_over(ctx.microbatch)
+            return False
+        return True
 
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:
@@ -343,8 +349,8 @@ class CallerSide:
 
     def _wait_reply(self, box: "queue.Queue[Message]", peer: int, what: str) -> Message:
         """Wait for a reply with the compute lock given up; bounded by SMSHIM_TIMEOUT."""
-        self._before_wait()
-        with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=peer):
+        take_back = self._before_wait()
+        with self.lock.released(take_back), self.timeline.span(f"wait {what}", "wait", peer=peer):
             try:
                 msg = box.get(timeout=self.timeout_s)
             except queue.Empty:
@@ -367,11 +373,12 @@ class CallerSide:
         """A value this rank holds or is sent, waiting for it (lock given up)."""
         value = self.store.peek(key)
         if value is not None:
+            self._computing()
             return value
-        self._before_wait()
-        with self.lock.released(), self.timeline.span(f"wait {what}", "wait", peer=owner):
+        take_back = self._before_wait()
+        with self.lock.released(take_back), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:
-                return self.store.get(key, lambda: (
+                value = self.store.get(key, lambda: (
                     f"pp rank {self.me} waiting for pp rank {owner} (global rank "
                     f"{self.transport.ranks[owner]}): {what}"))
             except PipelineError as e:
@@ -380,6 +387,15 @@ class CallerSide:
                     self.transport.fail(err)
                     raise err from e
                 raise
+        self._computing()
+        return value
+
+
+    def _computing(self) -> None:
+        """A step body in its backward read a value (a gradient) to compute with: it holds the
+        compute lock from here (see Pipeline.backward)."""
+        if ctx.in_backward and ctx.driver and not self.lock.held():
+            self.lock.take()
 
 
     def _send_value(self, dst: int, key, value: torch.Tensor, mb: int, step: int,

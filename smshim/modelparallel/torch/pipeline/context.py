@@ -16,6 +16,7 @@ class _Context(threading.local):
     tracing: bool = False
     forward_done: bool = False  # this microbatch's body reached model.backward
     driver: bool = False  # a pp_rank 0 worker running the step body (not a served request)
+    in_backward: bool = False  # (a driver) inside its model.backward
     # How many tensor-parallel modules' forwards this thread is inside (the outermost gathers the
     # TP ranks' batches: tensor_parallel/collectives.py, `region`).
     tp_region_depth: int = 0

@@ -262,8 +262,7 @@ class Pipeline:
         # From here the body's work is its backward: it takes the compute lock back at that
         # priority after a wait (and records no span while it only waits).
         priority, key = schedule.priority(BACKWARD, mb), (BACKWARD, mb)
-        if self.lock.held():
-            self.lock.retag(priority, key)
+        self.lock.tag(priority, key)
         with self._backward_gate:
             waits = not may_start()
         if waits or schedule.backwards_begin_in_order:
@@ -284,17 +283,25 @@ class Pipeline:
             self.server.turns.wait_backward_begun(mb, (
                 f"backward of microbatch {mb} (step {ctx.step}; the {schedule.name} schedule "
                 "begins backwards in microbatch order)"), waiting=self.lock.released)
-        # The body goes on holding the compute lock: its requests to the later stages leave
-        # first (it gives the lock up once it waits for their gradients).
-        trace = self._trace(BACKWARD, mb, ctx.step)
-        if self.lock.held():
-            self.lock.retag(priority, key, trace)
-        else:  # (a second model.backward in one body)
-            self.lock.acquire(priority, key, trace=trace)
+        # A body that holds the compute lock (its forward never waited) keeps it: its requests
+        # to the later stages leave before another microbatch computes here, and it gives the
+        # lock up once it waits for their gradients. One that does not hold it issues them
+        # without it (another microbatch's forward may hold the lock for long: a device's
+        # compute); it takes the lock when it reads a gradient to compute with
+        # (CallerSide._get_value).
+        self.lock.tag(priority, key, self._trace(BACKWARD, mb, ctx.step))
+        if self.lock.held() and any(t.is_cuda for t in tensors):
+            # The engine runs a CUDA graph's backward in its device threads, not this one: the
+            # lock held here would keep rank 0's other work waiting while they compute (their
+            # kernels queue on the device's stream, in order) and wait for gradients.
+            self.lock.release()
+        ctx.in_backward = True
         try:
             torch.autograd.backward(tensors, grad_tensors)
         finally:
-            self.lock.release()
+            ctx.in_backward = False
+            if self.lock.held():
+                self.lock.release()
         self.server.turns.backward_begun(mb)  # (if it called no module)
         self.server.send_held()
         with self._cond:

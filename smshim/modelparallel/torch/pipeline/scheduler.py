@@ -273,15 +273,23 @@ class ComputeLock:
                 self._reserved, self._reserved_until = key, time.monotonic() + self.GRACE_S
             self._wake_next()
 
-    def retag(self, priority: Tuple[int, int], key: Optional[tuple] = None,
-              trace: Optional[Callable[[], ContextManager]] = None) -> None:
-        """The holder's work goes on at another priority (and `trace`): it takes the lock back
-        at this one after a wait (`released`). (pp_rank 0's step body moving from its forward
-        to its backward.)"""
-        self._close_span()
-        self._local.priority = priority
-        self._local.key = key
-        self._open_span(trace)
+    def tag(self, priority: Tuple[int, int], key: Optional[tuple] = None,
+            trace: Optional[Callable[[], ContextManager]] = None) -> None:
+        """What the calling thread's work is from now: it takes the lock as such (`take`, and
+        back after `released`); if it holds the lock, its span changes with it. (pp_rank 0's
+        step body moving from its forward to its backward.)"""
+        held = self.held()
+        if held:
+            self._close_span()
+        self._local.priority, self._local.key, self._local.trace = priority, key, trace
+        if held:
+            self._open_span(trace)
+
+    def take(self) -> None:
+        """Take the lock as the calling thread's last `tag` or `acquire` said (nothing if it
+        holds it)."""
+        if not self.held():
+            self.acquire(self._local.priority, self._local.key, trace=self._local.trace)
 
     def _open_span(self, trace: Optional[Callable[[], ContextManager]]) -> None:
         self._local.trace = trace
@@ -307,9 +315,9 @@ class ComputeLock:
         return _Hold(self, priority, key, more, place)
 
     @contextlib.contextmanager
-    def released(self) -> Iterator[None]:
+    def released(self, take_back: bool = True) -> Iterator[None]:
         """Give the lock up while this thread waits on the network; take it back afterwards
-        with the same priority."""
+        with the same priority (unless not `take_back`)."""
         if not self.held():
             yield
             return
@@ -318,7 +326,8 @@ class ComputeLock:
         try:
             yield
         finally:
-            self.acquire(priority, key, trace=trace)
+            if take_back:
+                self.acquire(priority, key, trace=trace)
 
 
 class _Hold:
