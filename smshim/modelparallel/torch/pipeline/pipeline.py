@@ -19,7 +19,10 @@ holds the compute lock while it runs (pp_rank 0 computes one thing at a time, by
 priority, as every rank does), taking it in microbatch order (turns.py) and giving it up whenever
 it waits: for a value from a peer, or for the schedule's permission to start its backward. So a
 body's calls to the later stages leave before another microbatch computes here, and rank 0's
-modules cost what they cost in one process, not a request each. Transport threads move messages;
+modules cost what they cost in one process, not a request each. A body whose forward waited for
+a later stage (a loss computed from the last stage's output) runs the rest of it, and issues its
+backward's requests, without the lock, and takes it again when its backward reads a gradient to
+compute with: another microbatch may hold the lock for long meanwhile (a device's compute). Transport threads move messages;
 server threads answer peers' calls into rank 0's modules.
 """
 
@@ -290,12 +293,13 @@ class Pipeline:
         # compute); it takes the lock when it reads a gradient to compute with
         # (CallerSide._get_value).
         self.lock.tag(priority, key, self._trace(BACKWARD, mb, ctx.step))
-        if self.lock.held() and any(t.is_cuda for t in tensors):
+        on_device = any(t.is_cuda for t in tensors)
+        if on_device and self.lock.held():
             # The engine runs a CUDA graph's backward in its device threads, not this one: the
             # lock held here would keep rank 0's other work waiting while they compute (their
             # kernels queue on the device's stream, in order) and wait for gradients.
             self.lock.release()
-        ctx.in_backward = True
+        ctx.in_backward = not on_device
         try:
             torch.autograd.backward(tensors, grad_tensors)
         finally:
