@@ -22,8 +22,8 @@ body's calls to the later stages leave before another microbatch computes here, 
 modules cost what they cost in one process, not a request each. A body whose forward waited for
 a later stage (a loss computed from the last stage's output) runs the rest of it, and issues its
 backward's requests, without the lock, and takes it again when its backward reads a gradient to
-compute with: another microbatch may hold the lock for long meanwhile (a device's compute). Transport threads move messages;
-server threads answer peers' calls into rank 0's modules.
+compute with: another microbatch may hold the lock for long meanwhile (a device's compute).
+Transport threads move messages; server threads answer peers' calls into rank 0's modules.
 """
 
 from __future__ import annotations
