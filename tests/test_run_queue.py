@@ -194,3 +194,28 @@ def test_a_busy_stage_runs_the_next_microbatches_requests_on_the_same_thread():
         measured = threads[1:]  # (the first step waits for each output's shapes)
         assert all(len(step) == m for step in measured), threads
         assert sum(len(set(step)) == 1 for step in measured) >= 1, threads
+
+
+def test_a_runner_that_gives_the_compute_lock_up_to_wait_passes_its_role_on():
+    # A tensor-parallel collective gives the lock up while it waits for its peer, whose own
+    # order of microbatches may need the request queued here to run first: it must run.
+    from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
+
+    lock, started, peer_came, ran = ComputeLock(), [], threading.Event(), []
+
+    def run(item):
+        with lock.hold((0, 0)):
+            if item == "waits for its peer":
+                with lock.released():
+                    ran.append(item if peer_came.wait(5) else "timed out")
+            else:
+                ran.append(item)
+                peer_came.set()
+
+    q = RunQueue(run, _spawner(started))
+    lock.on_give_up = q.step_down
+    q.put((0, 0), "waits for its peer")
+    wait_until(lambda: started)
+    q.put((0, 1), "what the peer needs first")
+    wait_until(lambda: len(ran) == 2)
+    assert ran == ["what the peer needs first", "waits for its peer"]

@@ -148,6 +148,11 @@ class ComputeLock:
         # goes first (RunQueue.wait_at, waited).
         self.on_wait: Optional[Callable[[Tuple[int, int]], None]] = None
         self.on_waited: Optional[Callable[[], None]] = None
+        # Called (outside the mutex) by a holder about to give the lock up to wait on the
+        # network (`released`): the run queue passes its role on if work is queued, whatever the
+        # wait (a tensor-parallel collective waits for its peer, which may need that work run
+        # here first: the peer's own order of microbatches can differ).
+        self.on_give_up: Optional[Callable[[], None]] = None
 
     def _next(self):
         """(under the mutex) The waiter that may take the lock now, and how long to wait
@@ -225,37 +230,9 @@ class ComputeLock:
         with self._mutex:
             # Work that kept a place waits from there (first among its equals that came later).
             seq = place[1] if place is not None and self._drop_place(place) else next(self._seq)
-            if self._free_for(priority, key):  # (the usual case on a busy rank: no queue)
-                self._held_by = me
-                self._reserved = None
-                self._local.priority = priority
-                self._local.key = key
-                self._open_span(trace)
-                return
-            event = getattr(self._local, "event", None)  # (a thread waits in one acquire at a time)
-            if event is None:
-                event = self._local.event = threading.Event()
-            entry = (priority, seq, me, key, event)
-            heapq.heappush(self._waiters, entry)
-            told = False
-            while True:
-                nxt, left = self._next()
-                if self._held_by is None and nxt is entry:
-                    break
-                # A wake-up that comes between the release of the mutex and the wait is kept
-                # by the event: none is lost.
-                timeout = left if self._held_by is None else None
-                event.clear()
-                self._mutex.release()
-                try:
-                    if not told and self.on_wait is not None:
-                        told = True
-                        self.on_wait(priority)
-                    event.wait(timeout=timeout)
-                finally:
-                    self._mutex.acquire()
-            self._waiters.remove(entry)
-            heapq.heapify(self._waiters)
+            # (The usual case on a busy rank: the lock is free and nobody queues for it.)
+            told = False if self._free_for(priority, key) else self._wait_locked(
+                priority, seq, me, key)
             self._held_by = me
             self._reserved = None
         if told and self.on_waited is not None:
@@ -263,6 +240,36 @@ class ComputeLock:
         self._local.priority = priority
         self._local.key = key
         self._open_span(trace)
+
+    def _wait_locked(self, priority: Tuple[int, int], seq: int, me: int,
+                     key: Optional[tuple]) -> bool:
+        """(under the mutex, which it gives up while it sleeps) Queue and wait until this
+        thread may take the lock; returns whether it told `on_wait`."""
+        event = getattr(self._local, "event", None)  # (a thread waits in one acquire at a time)
+        if event is None:
+            event = self._local.event = threading.Event()
+        entry = (priority, seq, me, key, event)
+        heapq.heappush(self._waiters, entry)
+        told = False
+        while True:
+            nxt, left = self._next()
+            if self._held_by is None and nxt is entry:
+                break
+            # A wake-up that comes between the release of the mutex and the wait is kept by the
+            # event: none is lost.
+            timeout = left if self._held_by is None else None
+            event.clear()
+            self._mutex.release()
+            try:
+                if not told and self.on_wait is not None:
+                    told = True
+                    self.on_wait(priority)
+                event.wait(timeout=timeout)
+            finally:
+                self._mutex.acquire()
+        self._waiters.remove(entry)
+        heapq.heapify(self._waiters)
+        return told
 
     def release(self, reserve: bool = False) -> None:
         self._close_span()
@@ -322,6 +329,8 @@ class ComputeLock:
             yield
             return
         priority, key, trace = self._local.priority, self._local.key, self._local.trace
+        if self.on_give_up is not None:
+            self.on_give_up()
         self.release()
         try:
             yield

@@ -125,6 +125,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
                                         initializer=adopt_intra_op_threads)
         self._runq = RunQueue(self._serve, self._pool.submit, self._may_start)
         lock.on_wait, lock.on_waited = self._runq.wait_at, self._runq.waited
+        lock.on_give_up = self._runq.step_down
         self.step_end: "queue.Queue[Message]" = queue.Queue()
         self._anchor = torch.zeros((), requires_grad=True)
         self._proxies: List[nn.Module] = []
