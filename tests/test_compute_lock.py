@@ -115,3 +115,33 @@ def test_a_holder_tagged_anew_takes_the_lock_back_as_its_new_work():
     later.join(5)
     holder.join(5)
     assert log == ["other", "the body's backward", "a later microbatch's backward"]
+
+
+def test_a_holder_sees_whether_work_of_its_priority_or_before_waits():
+    lock, log = ComputeLock(), []
+    with lock.hold((0, 3)):
+        assert not lock.contested((0, 3))
+        later = _start(lock, (0, 4), log, "later")
+        assert not lock.contested((0, 3))  # work after it waits: it may go on
+        place = lock.keep_place((0, 1))
+        assert lock.contested((0, 3))  # a place kept before it
+        lock.give_up(place)
+        assert not lock.contested((0, 3))
+        equal = _start(lock, (0, 3), log, "equal", waiters=2)
+        assert lock.contested((0, 3))
+    later.join(5)
+    equal.join(5)
+    assert log == ["equal", "later"]
+
+
+def test_a_kept_hold_leaves_the_lock_held_for_its_caller_to_give_up():
+    lock, counted = ComputeLock(), []
+    with lock.hold((0, 0), more=lambda: counted.append(1) or False) as hold:
+        assert hold.took
+        hold.keep()
+    assert lock.held() and counted == [1]  # counted once, as its end would have
+    with lock.hold((0, 0)) as inner:  # (held: a chained request's hold takes nothing)
+        assert not inner.took
+    assert lock.held()
+    lock.release()
+    assert not lock.held()

@@ -144,14 +144,11 @@ def _tiny_blocks(steps):
     """The overhead-bound model of benchmarks/pipeline_as_written.py (8 blocks of width 16 in a
     loop, the first four on pp_rank 0), pp = 2, m = 8, interleaved."""
     from benchmarks import pipeline_as_written as written
-    from smshim.modelparallel.torch.pipeline import serving
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
 
     # A reservation that is never ended expires after GRACE_S: make that long enough that only
-    # the step body's own hand-over can end the reservation this test is about. And count every
-    # region as compute, even one whose thread lost its core for most of it on a busy machine.
+    # the step body's own hand-over can end the reservation this test is about.
     ComputeLock.GRACE_S = 0.5
-    serving._WAITING_REGION_S = 60.0
     torch.set_num_threads(1)
     _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
     for x, targets in written.make_batches(steps, 16, 128):
@@ -184,6 +181,49 @@ def test_a_body_s_requests_leave_before_another_microbatch_s_backward_runs(tmp_p
                 f"step {step}, microbatch {mb}: a backward started on pp rank 0 before the "
                 "microbatch's requests to stage 1 left")
     assert checked >= 12
+
+
+def _tiny_blocks_lock_turns(steps):
+    """The tiny-block model (pp = 2, m = 8, interleaved); per step on this rank: requests
+    served, and turns at the compute lock taken by the threads serving them."""
+    import smdistributed.modelparallel.torch as smp
+    from benchmarks import pipeline_as_written as written
+    from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
+    from smshim.modelparallel.torch.pipeline.serving import OwnerSide
+
+    torch.set_num_threads(1)
+    counts = {"requests": 0, "turns": 0}
+    acquire, serve_one = ComputeLock.acquire, OwnerSide._serve_one
+
+    def counted_acquire(self, priority, *args, **kwargs):
+        if priority[0] < 2:  # (not the weight gradients' thread, which works in the gaps)
+            counts["turns"] += 1
+        return acquire(self, priority, *args, **kwargs)
+
+    def counted_serve_one(self, msg):
+        counts["requests"] += 1
+        return serve_one(self, msg)
+
+    ComputeLock.acquire, OwnerSide._serve_one = counted_acquire, counted_serve_one
+    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
+    for x, targets in written.make_batches(steps, 16, 128):
+        step(x, targets)
+    return smp.pp_rank(), counts
+
+
+def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_compute_lock():
+    """Stage 1 holds 4 blocks and the head: pp_rank 0's step body calls them one after another,
+    5 requests per microbatch each way. Each request whose predecessor of the same microbatch
+    and direction just ran here runs next with the lock kept (OwnerSide._chain), instead of
+    giving the lock up, queueing and taking it again (~20 µs of Python each)."""
+    steps = 3
+    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
+        if pp_rank != 1:
+            continue
+        assert counts["requests"] == steps * 8 * 5 * 2, counts
+        # One turn per microbatch and direction when every chain holds; some break (the next
+        # request came after the lock was given up, or another microbatch's work went first).
+        assert counts["turns"] <= counts["requests"] / 2, counts
 
 
 def test_simple_runs_every_forward_before_any_backward_on_every_stage(tmp_path):

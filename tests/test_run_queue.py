@@ -128,6 +128,29 @@ def test_here_makes_the_caller_the_runner():
     assert not q.is_runner() and q._owner is None
 
 
+def test_the_runner_takes_the_next_item_only_if_it_is_the_one_it_would_run_and_wanted():
+    ran, started = [], []
+    may = {"late": False}
+    q = RunQueue(lambda item: ran.append(item), _spawner(started),
+                 may_start=lambda item: may.get(item, True))
+    q.put((0, 0), "a", here=True)
+    q.put((0, 1), "b", here=True)
+    q.put((0, 2), "c", here=True)
+    assert q.take_next(lambda item: item == "b") is None  # not the head
+    assert q.take_next(lambda item: item in "ab") == "a"
+    assert q.take_next(lambda item: True) == "b"
+    q.put((0, -1), "late", here=True)  # queued first, but may not start yet
+    assert q.take_next(lambda item: True) is None
+    other = []
+    t = threading.Thread(target=lambda: other.append(q.take_next(lambda item: True)))
+    t.start()
+    t.join(5)
+    assert other == [None]  # only the runner takes items out
+    may["late"] = True
+    q.drain()
+    assert ran == ["late", "c"] and started == []
+
+
 # ---- in a pipeline ------------------------------------------------------------------------
 
 class Slow(nn.Module):

@@ -101,6 +101,22 @@ class RunQueue:
             entries = sorted(self._heap)
         return next((e for e in entries if self._may_start(e[2])), None), changes
 
+    def take_next(self, wanted: Callable[[Any], bool]) -> Optional[Any]:
+        """(The runner.) Take the item the runner would run next, if `wanted(item)` and it may
+        start: its caller runs it at once (a chain of requests, without leaving the item it
+        runs)."""
+        with self._lock:
+            if self._owner != threading.get_ident() or not self._heap:
+                return None
+            item = self._heap[0][2]
+        if not wanted(item) or (self._may_start is not None and not self._may_start(item)):
+            return None
+        with self._lock:
+            if not self._heap or self._heap[0][2] is not item:
+                return None  # (something of a higher priority came meanwhile)
+            heapq.heappop(self._heap)
+            return item
+
     def step_down(self) -> None:
         """The calling thread is about to wait for something queued work may produce: if it
         is the runner, the role passes to a new thread when work is queued, else it is free."""

@@ -313,6 +313,13 @@ class ComputeLock:
     def held(self) -> bool:
         return self._held_by == threading.get_ident()
 
+    def contested(self, priority: Tuple[int, int]) -> bool:
+        """Does work of `priority` or before wait for the lock, or keep a place before it?
+        (Its holder then gives it up rather than go on with more work of that priority.)"""
+        with self._mutex:
+            return bool((self._waiters and self._waiters[0][0] <= priority)
+                        or (self._places and self._places[0][0] < priority))
+
     def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None,
              more: Optional[Callable[[], bool]] = None,
              place: Optional[tuple] = None) -> ContextManager[None]:
@@ -350,14 +357,27 @@ class _Hold:
             lock, priority, key, more, place)
         self._took = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "_Hold":
         lock = self._lock
         if lock.held():
             if self._place is not None:
                 lock.give_up(self._place)
-            return
+            return self
         lock.acquire(self._priority, self._key, self._place)
         self._took = True
+        return self
+
+    @property
+    def took(self) -> bool:
+        """Did this context take the lock (it was not held already)?"""
+        return self._took
+
+    def keep(self) -> None:
+        """Keep the lock past this context's end (the caller gives it up, or passes it on):
+        the work counts as done for `more`."""
+        if self._more is not None:
+            self._more()
+        self._took = False
 
     def __exit__(self, *exc) -> None:
         if self._took:

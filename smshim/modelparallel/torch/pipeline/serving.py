@@ -20,7 +20,7 @@ from smshim.modelparallel.torch.pipeline.context import _serving, ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten, loads_template
-from smshim.modelparallel.torch.pipeline.messages import (FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 from smshim.modelparallel.torch.state import state
 
@@ -94,8 +94,26 @@ class OwnerSide:
 
 
     def _serve(self, msg: Message) -> None:
-        """(On the run queue's thread.)"""
-        _serving.here = True
+        """(On the run queue's thread.) Serve `msg`, then the requests chained to it: the next
+        ones of the same microbatch and direction from pp_rank 0, taken from the run queue as
+        each one ends, with the compute lock kept from one to the next (`_chain`)."""
+        _serving.here = _serving.chains = True
+        try:
+            while msg is not None:
+                _serving.next = None
+                self._serve_one(msg)
+                msg = _serving.next
+        finally:
+            if _serving.next is not None:  # (a failure after the next one was taken)
+                self._unqueue(_serving.next)
+                _serving.next = None
+            if getattr(_serving, "kept", None) is not None:
+                more, _serving.kept = _serving.kept, None
+                self.lock.release(reserve=more())
+            _serving.here = _serving.chains = False
+
+
+    def _serve_one(self, msg: Message) -> None:
         ctx.step, ctx.microbatch, ctx.in_step = msg.step, msg.microbatch, True
         state.microbatch = msg.microbatch
         try:
@@ -104,24 +122,53 @@ class OwnerSide:
             else:
                 self._serve_backward(msg)
         except BaseException as e:  # noqa: BLE001
-            if isinstance(e, PipelineError) and self.transport.error is not None:
-                return  # a failure elsewhere, already reported
-            err = PipelineError(f"pp rank {self.me} failed running the {msg.describe()} "
-                                f"requested by pp rank {msg.src}: {type(e).__name__}: {e}")
-            logger.exception("%s", err)
-            self.transport.fail(err)
+            if not (isinstance(e, PipelineError) and self.transport.error is not None):
+                err = PipelineError(f"pp rank {self.me} failed running the {msg.describe()} "
+                                    f"requested by pp rank {msg.src}: {type(e).__name__}: {e}")
+                logger.exception("%s", err)
+                self.transport.fail(err)
         finally:
-            if getattr(msg, "place", None) is not None:
-                self.lock.give_up(msg.place)  # (if it failed before taking it)
-            with self._cond:
-                self._requests[msg.microbatch] -= 1
-                if msg.kind == FWD_REQ:
-                    self._forwards[msg.microbatch] -= 1
-                    self._release_if_done(msg.microbatch)
-                self._drop_if_done(msg.microbatch)
-                self._cond.notify_all()
+            self._unqueue(msg)
             self._runq.poke(here=True)  # (this thread runs the queue next)
-            _serving.here = False
+
+
+    def _unqueue(self, msg: Message) -> None:
+        """A request is over (served, or failed): it counts no more."""
+        if getattr(msg, "place", None) is not None:
+            self.lock.give_up(msg.place)  # (if it failed before taking it)
+        with self._cond:
+            self._requests[msg.microbatch] -= 1
+            if msg.kind == FWD_REQ:
+                self._forwards[msg.microbatch] -= 1
+                self._release_if_done(msg.microbatch)
+            self._drop_if_done(msg.microbatch)
+            self._cond.notify_all()
+
+
+    def _chain(self, hold, kind: str, mb: int, src: int) -> None:
+        """(The runner, holding the compute lock, at the end of a module's forward or backward
+        for pp_rank 0, its results delivered.) If the request it would run next is the same
+        microbatch's next call in the same direction (a stage's modules, called one after
+        another), and nothing else waits for the lock at that priority, take it from the run
+        queue and keep the lock for it: `_serve` runs it next, without the lock's hand-over or
+        the queue's round (~20 µs of a module call's ~45 µs of Python). Else the next request
+        keeps its place in the lock's queue (`_hold_place_for_next`)."""
+        kept = getattr(_serving, "kept", None)
+        if src == 0 and not self.deterministic and getattr(_serving, "chains", False) \
+                and (kept is not None or hold.took) and self._runq.is_runner() \
+                and not self.lock.contested(self._priority(kind, mb)):
+            want = FWD_REQ if kind == FORWARD else BWD_REQ
+            nxt = self._runq.take_next(lambda m: m.kind == want and m.microbatch == mb
+                                       and m.src == 0)
+            if nxt is not None:
+                _serving.next = nxt
+                if kept is None:  # (the chain's first: its hold gives the lock up no more)
+                    _serving.kept = lambda: self._more_regions(kind, mb)
+                    hold.keep()
+                else:
+                    self._more_regions(kind, mb)  # (counted as the first's hold would)
+                return
+        self._hold_place_for_next()
 
 
     def _what(self, msg: Message, direction: str) -> str:
@@ -217,7 +264,7 @@ class OwnerSide:
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                            lambda: self._more_regions(FORWARD, mb), place):
+                            lambda: self._more_regions(FORWARD, mb), place) as hold:
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                     caller=caller), \
                     torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
@@ -246,7 +293,7 @@ class OwnerSide:
                             self.peak_live_microbatches = max(self.peak_live_microbatches, live)
             if deliver is not None:
                 deliver(out_template, outs, out_rg)
-            self._hold_place_for_next()
+            self._chain(hold, FORWARD, mb, caller)
         return out_template, outs, out_rg
 
 
@@ -267,7 +314,7 @@ class OwnerSide:
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
                                  lambda: self._more_regions(BACKWARD, mb), place)
-                  if pairs else contextlib.nullcontext()):
+                  if pairs else contextlib.nullcontext()) as hold:
                 if pairs:
                     with self.timeline.span(name or "<root>", "backward", microbatch=mb,
                                             step=step, caller=caller):
@@ -277,7 +324,7 @@ class OwnerSide:
                 if deliver is not None:
                     deliver(in_grads)
                 if pairs:
-                    self._hold_place_for_next()
+                    self._chain(hold, BACKWARD, mb, caller)
         finally:
             with self._cond:
                 self._backwards_running -= 1
