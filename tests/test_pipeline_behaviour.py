@@ -215,7 +215,7 @@ def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_comp
     """Stage 1 holds 4 blocks and the head: pp_rank 0's step body calls them one after another,
     5 requests per microbatch each way. Each request whose predecessor of the same microbatch
     and direction just ran here runs next with the lock kept (OwnerSide._chain), instead of
-    giving the lock up, queueing and taking it again (~20 µs of Python each)."""
+    giving the lock up, queueing and taking it again."""
     steps = 3
     for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
         if pp_rank != 1:

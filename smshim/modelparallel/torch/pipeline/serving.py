@@ -109,7 +109,8 @@ class OwnerSide:
                 _serving.next = None
             if getattr(_serving, "kept", None) is not None:
                 more, _serving.kept = _serving.kept, None
-                self.lock.release(reserve=more())
+                if self.lock.held():
+                    self.lock.release(reserve=more())
             _serving.here = _serving.chains = False
 
 
@@ -150,9 +151,9 @@ class OwnerSide:
         for pp_rank 0, its results delivered.) If the request it would run next is the same
         microbatch's next call in the same direction (a stage's modules, called one after
         another), and nothing else waits for the lock at that priority, take it from the run
-        queue and keep the lock for it: `_serve` runs it next, without the lock's hand-over or
-        the queue's round (~20 µs of a module call's ~45 µs of Python). Else the next request
-        keeps its place in the lock's queue (`_hold_place_for_next`)."""
+        queue and keep the lock for it: `_serve` runs it next, without the lock's hand-over and
+        the queue's round (3 % of a stage's CPU on tiny modules: docs/benchmarks.md). Else the
+        next request keeps its place in the lock's queue (`_hold_place_for_next`)."""
         kept = getattr(_serving, "kept", None)
         if src == 0 and not self.deterministic and getattr(_serving, "chains", False) \
                 and (kept is not None or hold.took) and self._runq.is_runner() \
