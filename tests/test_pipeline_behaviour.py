@@ -2,6 +2,7 @@
 
 import glob
 import json
+import threading
 import time
 
 import pytest
@@ -193,15 +194,18 @@ def _tiny_blocks_lock_turns(steps):
 
     torch.set_num_threads(1)
     counts = {"requests": 0, "turns": 0}
+    counting = threading.Lock()  # (several threads serve requests)
     acquire, serve_one = ComputeLock.acquire, OwnerSide._serve_one
 
     def counted_acquire(self, priority, *args, **kwargs):
         if priority[0] < 2:  # (not the weight gradients' thread, which works in the gaps)
-            counts["turns"] += 1
+            with counting:
+                counts["turns"] += 1
         return acquire(self, priority, *args, **kwargs)
 
     def counted_serve_one(self, msg):
-        counts["requests"] += 1
+        with counting:
+            counts["requests"] += 1
         return serve_one(self, msg)
 
     ComputeLock.acquire, OwnerSide._serve_one = counted_acquire, counted_serve_one
