@@ -230,6 +230,112 @@ def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_comp
         assert counts["turns"] <= counts["requests"] / 2, counts
 
 
+def _tiny_blocks_dispatches(steps):
+    """The tiny-block model; RemoteTensor dispatches on this rank (each op with a handle)."""
+    import smdistributed.modelparallel.torch as smp
+    from benchmarks import pipeline_as_written as written
+    from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
+
+    torch.set_num_threads(1)
+    count = [0]
+    dispatch = RemoteTensor.__torch_dispatch__.__func__
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        count[0] += 1
+        return dispatch(cls, func, types, args, kwargs)
+
+    RemoteTensor.__torch_dispatch__ = classmethod(counted)
+    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
+    for x, targets in written.make_batches(steps, 16, 128):
+        step(x, targets)
+    return smp.pp_rank(), count[0]
+
+
+def test_the_gradient_from_a_microbatch_s_last_call_comes_as_a_value():
+    """pp_rank 0's blocks need the gradient of stage 1's first block's input. Its call is the
+    microbatch's last to have its backward issued, so the gradient comes as a value (waited for
+    then), not a handle that pp_rank 0's backward reads op by op through RemoteTensor's
+    dispatch (96 dispatches in 3 steps before)."""
+    for pp_rank, dispatches in run_ranks(_tiny_blocks_dispatches, 2, 3, timeout=120):
+        if pp_rank == 0:
+            assert dispatches == 0, dispatches
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 60 ms off the CPU (a device's kernel)."""
+
+    @staticmethod
+    def forward(ctx_, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx_, g):
+        time.sleep(0.06)
+        return g
+
+
+class _Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h):
+        return _SlowBackward.apply(self.lin(h))
+
+
+class _Fan(nn.Module):
+    """One pp_rank 0 activation read by modules on two other stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(4, 4), _Branch(), _Branch()
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.a(h).sum() + self.b(h).sum()
+
+
+def _fan(steps):
+    import smdistributed.modelparallel.torch as smp
+
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": 1, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = _Fan()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.a, 1)
+    smp.set_partition(module.b, 2)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(steps):
+        train_step(model, torch.randn(4, 4))
+    return smp.pp_rank()
+
+
+def test_a_rank_0_activation_read_on_two_stages_gets_both_backwards_at_once(tmp_path):
+    """pp_rank 0 waits for the gradient its own modules need only once the microbatch's last
+    backward request has left: waiting at the first of the two calls would hold the second
+    stage's request back until the first stage's backward (60 ms) is over."""
+    run_ranks(_fan, 3, 3, timeout=120, env={"SMSHIM_TRACE": str(tmp_path)})
+    spans = {}
+    for rank in (1, 2):
+        with open(tmp_path / f"trace_rank{rank}.json") as f:
+            spans[rank] = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                           and e.get("cat") == "backward" and e["args"].get("step", 0) >= 1]
+    for step in (1, 2):
+        a, b = ([e for e in spans[r] if e["args"]["step"] == step] for r in (1, 2))
+        assert len(a) == len(b) == 1, (a, b)
+        a, b = a[0], b[0]
+        assert a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"], (
+            f"step {step}: the two stages' backwards did not overlap", a, b)
+
+
 def test_simple_runs_every_forward_before_any_backward_on_every_stage(tmp_path):
     """pp_rank 0 starts the backward once all forward code is over, when the last stage still
     has forwards to come (they are p - 1 stages behind) and the first backward is ready there:

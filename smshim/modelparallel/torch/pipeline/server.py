@@ -160,6 +160,8 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
         # pp_rank 0: the peers that will push it an input gradient in a microbatch's backward.
         self._pushers: Dict[int, set] = collections.defaultdict(set)
+        # pp_rank 0: calls of a microbatch made with grad whose backward request has not left.
+        self._backwards_to_issue: collections.Counter = collections.Counter()
         # pp_rank 0: the step bodies' turns at its own modules.
         self.turns = Turns(timeout_s, lambda: self.transport.check())
         self._expected_microbatches = 0

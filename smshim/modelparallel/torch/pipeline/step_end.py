@@ -43,7 +43,8 @@ class StepEnd:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
                       self._pushers, self._nested_done):
                 s.clear()
-            for c in (self._requests, self._forwards, self._graphs, self._regions_done):
+            for c in (self._requests, self._forwards, self._graphs, self._regions_done,
+                      self._backwards_to_issue):
                 c.clear()
             self._turn = 0
             self._tickets = itertools.count()
