@@ -19,9 +19,10 @@ caller's graph. Its backward sends the output gradients (real, or handles to gra
 other ranks) in a BWD_REQ and returns handles to the input gradients the owner will compute, so
 rank 0's autograd engine walks the whole pipeline's graph without waiting, while the gradients
 travel owner to owner; rank 0 waits only where its own modules need a gradient, which the owner
-then pushes unasked. Parameter gradients accumulate where the parameters live. A zero-size
-"anchor" input that requires grad makes the call part of the graph even when none of its real
-inputs do (the first stage's inputs are data), so the owner's parameters still get their backward.
+then pushes unasked (at the microbatch's last call, once every request has left: calls.py).
+Parameter gradients accumulate where the parameters live. A zero-size "anchor" input that
+requires grad makes the call part of the graph even when none of its real inputs do (the first
+stage's inputs are data), so the owner's parameters still get their backward.
 
 Calls made from inside a module on another rank (nested calls) wait for real values, as a plain
 synchronous request: handles only live on pp_rank 0, which knows when a microbatch is over
