@@ -1,8 +1,27 @@
 """Models and training loops shared by the pipeline tests (importable by spawned ranks)."""
 
+import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+def slow_backward(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """Identity whose backward takes `seconds` off the CPU, as a device's kernel would."""
+    return _SlowBackward.apply(x, seconds)
 
 
 class Block(nn.Module):

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from smshim.testing import run_ranks
-from tests.pipeline_models import Net, batches, loss_fn, make_model, make_train_step
+from tests.pipeline_models import (Net, batches, loss_fn, make_model, make_train_step,
+                                   slow_backward)
 
 
 def _setup(cfg):
@@ -261,26 +262,13 @@ def test_the_gradient_from_a_microbatch_s_last_call_comes_as_a_value():
             assert dispatches == 0, dispatches
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes 60 ms off the CPU (a device's kernel)."""
-
-    @staticmethod
-    def forward(ctx_, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx_, g):
-        time.sleep(0.06)
-        return g
-
-
 class _Branch(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, h):
-        return _SlowBackward.apply(self.lin(h))
+        return slow_backward(self.lin(h), 0.06)
 
 
 class _Fan(nn.Module):

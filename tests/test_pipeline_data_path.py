@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from smshim.testing import free_port, run_ranks
-from tests.pipeline_models import Block
+from tests.pipeline_models import Block, slow_backward
 
 TOL = 1e-5
 D = 16
@@ -158,20 +158,9 @@ def test_glue_code_across_stages_without_fused_weight_grads():
 
 # ---- a stage whose input gradient nobody needs ----------------------------------------------
 
-class _SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(0.3)  # pp_rank 0 has long finished the step by now
-        return g
-
-
 class _SlowLinear(nn.Linear):
     def forward(self, x):
-        return _SlowBackward.apply(super().forward(x))
+        return slow_backward(super().forward(x), 0.3)  # pp_rank 0 has long finished the step by now
 
 
 class FirstOnRank1(nn.Module):

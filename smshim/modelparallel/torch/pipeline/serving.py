@@ -20,7 +20,7 @@ from smshim.modelparallel.torch.pipeline.context import _serving, ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten, loads_template
-from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.messages import (FWD_REPLY, FWD_REQ, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 from smshim.modelparallel.torch.state import state
 
@@ -158,9 +158,8 @@ class OwnerSide:
         if src == 0 and not self.deterministic and getattr(_serving, "chains", False) \
                 and (kept is not None or hold.took) and self._runq.is_runner() \
                 and not self.lock.contested(self._priority(kind, mb)):
-            want = FWD_REQ if kind == FORWARD else BWD_REQ
-            nxt = self._runq.take_next(lambda m: m.kind == want and m.microbatch == mb
-                                       and m.src == 0)
+            nxt = self._runq.take_next(lambda m: m.src == 0
+                                       and self._request_key(m) == (kind, mb))
             if nxt is not None:
                 _serving.next = nxt
                 if kept is None:  # (the chain's first: its hold gives the lock up no more)
