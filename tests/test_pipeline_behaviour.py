@@ -2,6 +2,7 @@
 
 import glob
 import json
+import os
 import threading
 import time
 
@@ -373,6 +374,28 @@ def test_a_body_whose_forward_waited_sends_its_backward_while_another_computes(t
             overlapped += any(c["ts"] < send["ts"] < c["ts"] + c["dur"] and c["tid"] != send["tid"]
                               for c in computing)
     assert overlapped >= 4, overlapped
+
+
+def _thread_policies(steps):
+    """The scheduling class of every thread of the rank while its pipeline runs, and of the
+    caller's thread once smp.reset() closed the pipeline."""
+    smp, model, opt, train_step = _setup({"pipeline_parallel_degree": 2, "microbatches": 4})
+    for x, y in batches("net", steps, 8):
+        train_step(model, x, y)
+    during = {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+    smp.reset()
+    return during, os.sched_getscheduler(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux")
+@pytest.mark.parametrize("batch", ["1", "0"])
+def test_a_pipeline_runs_its_rank_s_threads_under_sched_batch(batch):
+    """No thread of a stage preempts the one that woke it (runtime/scheduling.py); the caller's
+    thread gets its class back when the pipeline closes. SMSHIM_SCHED_BATCH=0 leaves them."""
+    for during, after in run_ranks(_thread_policies, 2, 2, timeout=120,
+                                   env={"SMSHIM_SCHED_BATCH": batch}):
+        assert during == ({os.SCHED_BATCH} if batch == "1" else {os.SCHED_OTHER}), during
+        assert after == os.SCHED_OTHER
 
 
 def _pp1(m):

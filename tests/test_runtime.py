@@ -4,10 +4,12 @@ import os
 import re
 import shutil
 import sys
+import threading
 
 import pytest
 
 from smshim.runtime import launch as _runtime
+from smshim.runtime import scheduling
 from smshim.testing import run_command, run_ranks
 
 HERE = os.path.dirname(__file__)
@@ -145,3 +147,52 @@ def test_single_host_mpirun_store_and_gloo_on_loopback():
     assert store, out
     # MPI's own sockets may use other interfaces; the store must not.
     assert [a for a, port, _ in _listeners(out) if port == store.group(1)] == ["127.0.0.1"], out
+
+
+# ---- the pipeline's threads under SCHED_BATCH (runtime/scheduling.py) -----------------------
+
+def _policies():
+    return {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not scheduling.available(), reason="needs Linux's SCHED_BATCH")
+def test_batch_scheduling_covers_every_thread_and_restore_undoes_it(monkeypatch):
+    monkeypatch.delenv(scheduling.ENV, raising=False)
+    started, stop = threading.Event(), threading.Event()
+
+    def idle_thread():
+        # A thread someone put in another class keeps it.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        started.set()
+        stop.wait(30)
+
+    other = threading.Thread(target=idle_thread)
+    other.start()
+    started.wait(30)
+    before = _policies()
+    try:
+        assert scheduling.use_batch_scheduling()
+        during = _policies()
+        assert during[other.native_id] == os.SCHED_IDLE
+        assert all(p == os.SCHED_BATCH for t, p in during.items()
+                   if before.get(t) == os.SCHED_OTHER), during
+        # A thread started by a batch thread inherits the class.
+        seen = []
+        child = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        child.start()
+        child.join()
+        assert seen == [os.SCHED_BATCH]
+    finally:
+        scheduling.restore()
+        stop.set()
+        other.join()
+    after = _policies()
+    assert all(after[t] == p for t, p in before.items() if t in after and t != other.native_id)
+
+
+@pytest.mark.skipif(not scheduling.available(), reason="needs Linux's SCHED_BATCH")
+def test_batch_scheduling_off_by_env(monkeypatch):
+    monkeypatch.setenv(scheduling.ENV, "0")
+    before = _policies()
+    assert not scheduling.use_batch_scheduling()
+    assert _policies() == before

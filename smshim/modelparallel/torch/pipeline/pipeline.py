@@ -49,6 +49,7 @@ from smshim.modelparallel.torch.pipeline.messages import (STEP_END, Message, Pip
 from smshim.modelparallel.torch.pipeline.channels import DeviceChannel
 from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.modelparallel.torch.pipeline.workers import Workers, adopt_intra_op_threads
+from smshim.runtime import scheduling
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class Pipeline:
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
         self._bodies = Workers(f"smp-body-{pp_rank}")
         self._job: Optional[Callable[[int], None]] = None  # runs one microbatch's body
+        # The stage's threads hand work to each other all the time: none preempts the one that
+        # woke it (runtime/scheduling.py).
+        scheduling.use_batch_scheduling()
 
     def _wake(self) -> None:
         with self._cond:
@@ -383,3 +387,4 @@ class Pipeline:
         self._bodies.stop()
         self.server.close()
         self._reduce_pool.shutdown(wait=False)
+        scheduling.restore()
