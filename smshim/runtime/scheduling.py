@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict
+from typing import Set
 
-__all__ = ["ENV", "use_batch_scheduling", "restore"]
+__all__ = ["ENV", "available", "use_batch_scheduling", "restore"]
 
 logger = logging.getLogger(__name__)
 
 ENV = "SMSHIM_SCHED_BATCH"
 
-_changed: Dict[int, int] = {}  # thread id -> its priority under SCHED_OTHER before (always 0)
+_changed: Set[int] = set()  # ids of the threads moved from SCHED_OTHER
 
 
 def available() -> bool:
@@ -46,9 +46,8 @@ def use_batch_scheduling() -> bool:
         try:
             if os.sched_getscheduler(tid) != os.SCHED_OTHER:
                 continue  # (batch already, or a policy someone chose on purpose)
-            before = os.sched_getparam(tid).sched_priority
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-            _changed.setdefault(tid, before)
+            _changed.add(tid)
         except OSError as e:  # (a thread that ended meanwhile)
             logger.debug("SCHED_BATCH for thread %d: %s", tid, e)
     return True
@@ -57,9 +56,9 @@ def use_batch_scheduling() -> bool:
 def restore() -> None:
     """The threads `use_batch_scheduling` changed, if they still run, go back to SCHED_OTHER."""
     while _changed:
-        tid, priority = _changed.popitem()
+        tid = _changed.pop()
         try:
             if os.sched_getscheduler(tid) == os.SCHED_BATCH:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(priority))
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         except OSError:
             pass  # (it ended)
