@@ -20,16 +20,18 @@ losses equal the single-process ones at every step. smshim's transport counters 
 and bytes each rank sent to each other rank per step.
 
     python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto]
-                                             [--d 512] [--batch 128] [--pin] [--batch-all]
+                                             [--d 512] [--batch 128] [--pin] [--same-scheduling]
 
 `--d 16 --batch 64 --m 8 32` makes the blocks tiny: the step is then almost all the engines'
 own work around each module call (what many microbatches of a small model cost), and the
 table's thread switches of rank 0 show how much of it is threads waking up. `--pin` puts rank r
 on core r mod (cores), which makes such CPU-bound runs far less noisy on a shared machine.
 
-Each system runs under the scheduling policy it has as shipped: smshim's pipeline puts the
-process's threads under SCHED_BATCH (smshim/runtime/scheduling.py), torch and one process keep
-the default. `--batch-all` runs them all under SCHED_BATCH (what torch would gain from it).
+Each system runs its threads as shipped: smshim's pipeline puts them in the batch scheduling
+class and, on a CPU-only host whose cores the ranks share, each rank on cores of its own
+(smshim/runtime/scheduling.py; `--pin` binds every system beforehand); torch and one process
+keep the default class and every core. `--same-scheduling` runs them all as smshim does (what
+torch would gain from it).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def _torch_setup(p: int, m: int, schedule: str, rank: int, d: int = D):
 
 
 def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int,
-             d: int = D, batch: int = BATCH, pin: bool = False, batch_all: bool = False):
+             d: int = D, batch: int = BATCH, pin: bool = False, same_scheduling: bool = False):
     import resource
 
     import torch.distributed as dist
@@ -199,7 +201,7 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     for i, (x, targets) in enumerate(make_batches(warmup + steps, d, batch)):
         order = list(systems)[i % 3:] + list(systems)[:i % 3]
         for name in order:
-            scheduled_as_shipped(name, batch_all)
+            scheduled_as_shipped(name, same_scheduling)
             dist.barrier()
             u0 = resource.getrusage(resource.RUSAGE_SELF)
             c0, t0 = time.process_time(), time.perf_counter()
@@ -309,8 +311,9 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=D, help="block width")
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch")
     ap.add_argument("--pin", action="store_true", help="rank r on core r mod cores")
-    ap.add_argument("--batch-all", action="store_true",
-                    help="torch and one process under SCHED_BATCH too, as smshim's pipeline runs")
+    ap.add_argument("--same-scheduling", action="store_true",
+                    help="torch and one process scheduled as smshim's pipeline runs its threads "
+                         "(SCHED_BATCH, its rank's cores)")
     ap.add_argument("--out", default=None,
                     help="default: results/pipeline_as_written.json (_d<d>.json for another --d)")
     ap.add_argument("--trace", metavar="DIR", default=None,
@@ -334,7 +337,8 @@ def main() -> None:
                     continue  # one auto-partitioned layout (pp = 2) is enough to show it
                 for schedule in a.schedules:
                     res = run_ranks(_compare, p, p, m, schedule, partition, a.warmup, a.steps,
-                                    a.d, a.batch, a.pin, a.batch_all, timeout=900)
+                                    a.d, a.batch, a.pin, a.same_scheduling,
+                                    timeout=900)
                     rows.append(_summarise(res, p, m, schedule, partition))
                     r = rows[-1]
                     print(f"p={p} m={m} {partition} {schedule}: smshim {1e3 * r['smshim_s']:.1f} "
@@ -343,7 +347,8 @@ def main() -> None:
                           f"{r['smshim_vs_single']:.3f}", flush=True)
     print(f"\nMLP {BLOCKS} x pre-LN residual block (d={a.d}, hidden {4 * a.d}), head + loss, batch "
           f"{a.batch}; one thread per process{'; pinned' if a.pin else ''}"
-          f"{'; every system under SCHED_BATCH' if a.batch_all else ''}; median of {a.steps} "
+          f"{'; every system scheduled as smshim' if a.same_scheduling else ''}; median of "
+          f"{a.steps} "
           f"steps after {a.warmup} warm-up; "
           f"load avg at start {load[0]:.2f}")
     print(f"{'p':>2} {'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
@@ -377,7 +382,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"d": a.d, "blocks": BLOCKS, "batch": a.batch, "pinned": a.pin,
-                   "batch_all": a.batch_all,
+                   "same_scheduling": a.same_scheduling,
                    "steps": a.steps, "warmup": a.warmup,
                    "load_avg_start": load, "load_avg_end": os.getloadavg(), "wall_s": wall,
                    "rows": rows}, f, indent=1, default=str)

@@ -240,19 +240,24 @@ def single_process_step(model: nn.Module, lr: float = LR):
     return step
 
 
-def scheduled_as_shipped(system: str, batch_all: bool = False) -> None:
-    """The process's threads under the policy `system` runs with as shipped: smshim's pipeline
-    puts them under SCHED_BATCH (smshim/runtime/scheduling.py); torch and one process keep the
-    default, unless `batch_all` (what they would gain from it). The systems alternate in one
+def scheduled_as_shipped(system: str, same_scheduling: bool = False) -> None:
+    """The process's threads as `system` runs them as shipped: smshim's pipeline puts them in
+    the batch scheduling class and, on a CPU-only host, on its rank's own cores
+    (smshim/runtime/scheduling.py); torch and one process keep the default class and every core,
+    unless `same_scheduling` (what they would gain from it). The systems alternate in one
     process: set before each step, outside its timing."""
     if not scheduling.available():
         return
-    batch = (system == "smshim" or batch_all) and os.environ.get(scheduling.ENV, "1") != "0"
+    as_smshim = system == "smshim" or same_scheduling
+    batch = as_smshim and os.environ.get(scheduling.ENV, "1") != "0"
     policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    bound = scheduling.binding()
     for tid in map(int, os.listdir("/proc/self/task")):
         try:
             if os.sched_getscheduler(tid) in (os.SCHED_OTHER, os.SCHED_BATCH):
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
+            if bound is not None:
+                os.sched_setaffinity(tid, bound[0] if as_smshim else bound[1])
         except OSError:
             pass  # (a thread that ended meanwhile)
 

@@ -376,26 +376,39 @@ def test_a_body_whose_forward_waited_sends_its_backward_while_another_computes(t
     assert overlapped >= 4, overlapped
 
 
-def _thread_policies(steps):
-    """The scheduling class of every thread of the rank while its pipeline runs, and of the
-    caller's thread once smp.reset() closed the pipeline."""
+def _thread_placement(steps):
+    """The scheduling class and the cores of every thread of the rank while its pipeline runs,
+    and of the caller's thread before and once smp.reset() closed the pipeline."""
+    before = os.sched_getaffinity(0)
     smp, model, opt, train_step = _setup({"pipeline_parallel_degree": 2, "microbatches": 4})
     for x, y in batches("net", steps, 8):
         train_step(model, x, y)
-    during = {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    during = ({os.sched_getscheduler(t) for t in tids},
+              {frozenset(os.sched_getaffinity(t)) for t in tids})
     smp.reset()
-    return during, os.sched_getscheduler(0)
+    return before, during, (os.sched_getscheduler(0), os.sched_getaffinity(0))
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux")
-@pytest.mark.parametrize("batch", ["1", "0"])
-def test_a_pipeline_runs_its_rank_s_threads_under_sched_batch(batch):
-    """No thread of a stage preempts the one that woke it (runtime/scheduling.py); the caller's
-    thread gets its class back when the pipeline closes. SMSHIM_SCHED_BATCH=0 leaves them."""
-    for during, after in run_ranks(_thread_policies, 2, 2, timeout=120,
-                                   env={"SMSHIM_SCHED_BATCH": batch}):
-        assert during == ({os.SCHED_BATCH} if batch == "1" else {os.SCHED_OTHER}), during
-        assert after == os.SCHED_OTHER
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_a_pipeline_runs_its_rank_s_threads_batch_and_on_its_own_cores(on):
+    """No thread of a stage preempts the one that woke it, and on a CPU-only host whose cores
+    the ranks share, each rank's threads keep to its own cores (runtime/scheduling.py); the
+    caller's thread gets both back when the pipeline closes. SMSHIM_SCHED_BATCH=0 and
+    SMSHIM_BIND_CORES=0 leave them."""
+    env = {"SMSHIM_SCHED_BATCH": on, "SMSHIM_BIND_CORES": on}
+    for rank, (before, (classes, cores), after) in enumerate(
+            run_ranks(_thread_placement, 2, 2, timeout=120, env=env)):
+        assert classes == ({os.SCHED_BATCH} if on == "1" else {os.SCHED_OTHER}), classes
+        cpus = sorted(before)
+        if on == "1" and len(cpus) >= 2 and len(cpus) == os.cpu_count() \
+                and not torch.cuda.is_available():
+            share = len(cpus) // 2
+            assert cores == {frozenset(cpus[rank * share:(rank + 1) * share])}, (rank, cores)
+        else:
+            assert cores == {frozenset(before)}, (rank, cores)
+        assert after == (os.SCHED_OTHER, before)
 
 
 def _pp1(m):

@@ -196,3 +196,52 @@ def test_batch_scheduling_off_by_env(monkeypatch):
     before = _policies()
     assert not scheduling.use_batch_scheduling()
     assert _policies() == before
+
+
+def _whole_host() -> bool:
+    return (hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+            and len(os.sched_getaffinity(0)) == os.cpu_count())
+
+
+@pytest.mark.skipif(not (scheduling.available() and _whole_host()),
+                    reason="needs Linux and at least 2 cores this process may all use")
+def test_bind_to_own_cores_gives_each_local_rank_its_slice_and_restore_undoes_it(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(scheduling.BIND_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        cores = scheduling.bind_to_own_cores(1, 2)
+        share = len(cpus) // 2
+        assert cores == cpus[share:2 * share]
+        assert scheduling.binding() == (cores, set(cpus))
+        for t in os.listdir("/proc/self/task"):
+            assert os.sched_getaffinity(int(t)) == set(cores)
+        assert torch.get_num_threads() <= share
+    finally:
+        scheduling.restore()
+    assert scheduling.binding() is None
+    assert os.sched_getaffinity(0) == set(cpus)
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.skipif(not (scheduling.available() and _whole_host()),
+                    reason="needs Linux and at least 2 cores this process may all use")
+def test_bind_to_own_cores_leaves_a_bound_or_crowded_or_opted_out_rank(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpus = sorted(os.sched_getaffinity(0))
+    assert scheduling.bind_to_own_cores(0, len(cpus) + 1) is None  # more ranks than cores
+    assert scheduling.bind_to_own_cores(0, 1) is None  # the host's only rank
+    monkeypatch.setenv(scheduling.BIND_ENV, "0")
+    assert scheduling.bind_to_own_cores(0, 2) is None
+    monkeypatch.delenv(scheduling.BIND_ENV)
+    os.sched_setaffinity(0, cpus[:1])  # a launcher bound it already
+    try:
+        assert scheduling.bind_to_own_cores(0, 2) is None
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert os.sched_getaffinity(0) == set(cpus)

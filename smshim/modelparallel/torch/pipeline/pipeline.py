@@ -112,8 +112,9 @@ class Pipeline:
         self._bodies = Workers(f"smp-body-{pp_rank}")
         self._job: Optional[Callable[[int], None]] = None  # runs one microbatch's body
         # The stage's threads hand work to each other all the time: none preempts the one that
-        # woke it (runtime/scheduling.py).
+        # woke it, and on a CPU-only host they keep to their rank's cores (runtime/scheduling.py).
         scheduling.use_batch_scheduling()
+        scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
 
     def _wake(self) -> None:
         with self._cond:
