@@ -88,7 +88,8 @@ def bind_to_own_cores(local_rank: int, local_size: int) -> Optional[List[int]]:
             or not hasattr(os, "sched_setaffinity") or torch.cuda.is_available()):
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    if local_size < 2 or local_size > len(cpus) or len(cpus) != os.cpu_count():
+    if (local_size < 2 or local_size > len(cpus) or len(cpus) != os.cpu_count()
+            or not 0 <= local_rank < local_size):
         return None
     share = len(cpus) // local_size
     cores = cpus[local_rank * share:(local_rank + 1) * share]

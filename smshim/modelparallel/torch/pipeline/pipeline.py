@@ -73,6 +73,12 @@ class Pipeline:
         self.timeout_s = timeout_s
         self.lock = ComputeLock()
         self.stages = len(ranks)
+        # The stage's threads hand work to each other all the time: none preempts the one that
+        # woke it, and on a CPU-only host they keep to their rank's cores (runtime/scheduling.py;
+        # before the server and transport start theirs, which inherit both and adopt the
+        # intra-op thread count).
+        scheduling.use_batch_scheduling()
+        scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
         self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
                                    device, deterministic)
         self.transport = Transport(ranks, pp_rank, groups, self.server.dispatch, timeout_s, device,
@@ -111,10 +117,6 @@ class Pipeline:
         # pp_rank 0: the threads that run the step body, one microbatch each at a time.
         self._bodies = Workers(f"smp-body-{pp_rank}")
         self._job: Optional[Callable[[int], None]] = None  # runs one microbatch's body
-        # The stage's threads hand work to each other all the time: none preempts the one that
-        # woke it, and on a CPU-only host they keep to their rank's cores (runtime/scheduling.py).
-        scheduling.use_batch_scheduling()
-        scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
 
     def _wake(self) -> None:
         with self._cond:
