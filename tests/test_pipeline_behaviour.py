@@ -143,19 +143,24 @@ def test_trace_shows_the_schedule(tmp_path, schedule):
     assert sends and all(0 <= e["args"]["cpu_ms"] <= e["dur"] / 1e3 + 0.05 for e in sends), sends
 
 
-def _tiny_blocks(steps):
-    """The overhead-bound model of benchmarks/pipeline_as_written.py (8 blocks of width 16 in a
-    loop, the first four on pp_rank 0), pp = 2, m = 8, interleaved."""
+def _train_tiny_blocks(steps):
+    """`steps` steps of the overhead-bound model of benchmarks/pipeline_as_written.py (8 blocks
+    of width 16 in a loop, the first four on pp_rank 0), pp = 2, m = 8, interleaved."""
     from benchmarks import pipeline_as_written as written
+
+    torch.set_num_threads(1)
+    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
+    for x, targets in written.make_batches(steps, 16, 128):
+        step(x, targets)
+
+
+def _tiny_blocks(steps):
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
 
     # A reservation that is never ended expires after GRACE_S: make that long enough that only
     # the step body's own hand-over can end the reservation this test is about.
     ComputeLock.GRACE_S = 0.5
-    torch.set_num_threads(1)
-    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
-    for x, targets in written.make_batches(steps, 16, 128):
-        step(x, targets)
+    _train_tiny_blocks(steps)
     return 0
 
 
@@ -190,11 +195,9 @@ def _tiny_blocks_lock_turns(steps):
     """The tiny-block model (pp = 2, m = 8, interleaved); per step on this rank: requests
     served, and turns at the compute lock taken by the threads serving them."""
     import smdistributed.modelparallel.torch as smp
-    from benchmarks import pipeline_as_written as written
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
     from smshim.modelparallel.torch.pipeline.serving import OwnerSide
 
-    torch.set_num_threads(1)
     counts = {"requests": 0, "turns": 0}
     counting = threading.Lock()  # (several threads serve requests)
     acquire, serve_one = ComputeLock.acquire, OwnerSide._serve_one
@@ -211,9 +214,7 @@ def _tiny_blocks_lock_turns(steps):
         return serve_one(self, msg)
 
     ComputeLock.acquire, OwnerSide._serve_one = counted_acquire, counted_serve_one
-    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
-    for x, targets in written.make_batches(steps, 16, 128):
-        step(x, targets)
+    _train_tiny_blocks(steps)
     return smp.pp_rank(), counts
 
 
@@ -235,10 +236,8 @@ def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_comp
 def _tiny_blocks_dispatches(steps):
     """The tiny-block model; RemoteTensor dispatches on this rank (each op with a handle)."""
     import smdistributed.modelparallel.torch as smp
-    from benchmarks import pipeline_as_written as written
     from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 
-    torch.set_num_threads(1)
     count = [0]
     dispatch = RemoteTensor.__torch_dispatch__.__func__
 
@@ -247,9 +246,7 @@ def _tiny_blocks_dispatches(steps):
         return dispatch(cls, func, types, args, kwargs)
 
     RemoteTensor.__torch_dispatch__ = classmethod(counted)
-    _, _, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
-    for x, targets in written.make_batches(steps, 16, 128):
-        step(x, targets)
+    _train_tiny_blocks(steps)
     return smp.pp_rank(), count[0]
 
 
