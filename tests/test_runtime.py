@@ -245,3 +245,35 @@ def test_bind_to_own_cores_leaves_a_bound_or_crowded_or_opted_out_rank(monkeypat
     finally:
         os.sched_setaffinity(0, cpus)
     assert os.sched_getaffinity(0) == set(cpus)
+
+
+@pytest.mark.skipif(not (scheduling.available() and _whole_host()),
+                    reason="needs Linux and at least 2 cores this process may all use")
+def test_a_pipeline_that_fails_to_start_gives_the_threads_their_class_and_cores_back(monkeypatch):
+    import types
+
+    import torch
+
+    from smshim.modelparallel.torch.pipeline import pipeline as pipeline_module
+    from smshim.runtime.launch import LaunchInfo
+
+    monkeypatch.delenv(scheduling.ENV, raising=False)
+    monkeypatch.delenv(scheduling.BIND_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pipeline_module, "state", types.SimpleNamespace(
+        launch=LaunchInfo("torchrun", 0, 2, 0, 2, None, None)))
+
+    def server_fails(*args, **kwargs):
+        # What the server's start does first here: the class and the binding are in place.
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+        assert scheduling.binding() is not None
+        raise RuntimeError("the module server could not start")
+
+    monkeypatch.setattr(pipeline_module, "ModuleServer", server_fails)
+    cpus, policy = os.sched_getaffinity(0), os.sched_getscheduler(0)
+    with pytest.raises(RuntimeError, match="could not start"):
+        pipeline_module.Pipeline(torch.nn.Linear(2, 2), {}, [0, 1], 0, (None, None),
+                                 "interleaved", 2, None, 60.0, torch.device("cpu"))
+    assert scheduling.binding() is None
+    assert os.sched_getaffinity(0) == cpus
+    assert os.sched_getscheduler(0) == policy

@@ -79,14 +79,20 @@ class Pipeline:
         # intra-op thread count).
         scheduling.use_batch_scheduling()
         scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
-        self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline, timeout_s,
-                                   device, deterministic)
-        self.transport = Transport(ranks, pp_rank, groups, self.server.dispatch, timeout_s, device,
-                                   timeline, device_channel=device_channel)
-        self.server.transport = self.transport
-        self.transport.on_error(self.server.wake_all)
-        self.transport.on_error(lambda exc: self._wake())
-        self.server.install_proxies()
+        try:
+            self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline,
+                                       timeout_s, device, deterministic)
+            self.transport = Transport(ranks, pp_rank, groups, self.server.dispatch, timeout_s,
+                                       device, timeline, device_channel=device_channel)
+            self.server.transport = self.transport
+            self.transport.on_error(self.server.wake_all)
+            self.transport.on_error(lambda exc: self._wake())
+            self.server.install_proxies()
+        except BaseException:
+            # (No pipeline: the process's threads get their class and cores back, as `close`
+            # would give them.)
+            scheduling.restore()
+            raise
         self.step = 0
         # Data parallelism (ddp: true): the model sets these to its DP-group gradient reduction.
         # `reduce_early` runs, on ranks other than 0, as soon as the rank's own backward work for
