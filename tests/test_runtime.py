@@ -39,6 +39,15 @@ def test_detect_launch(env, expected):
             info.master_addr, info.master_port) == expected
 
 
+def test_detect_launch_says_whether_the_launcher_gave_the_host_s_ranks():
+    assert _runtime.detect_launch({}).local_known
+    assert _runtime.detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                   "LOCAL_WORLD_SIZE": "2"}).local_known
+    guessed = _runtime.detect_launch({"RANK": "3", "WORLD_SIZE": "4"})
+    assert (guessed.local_rank, guessed.local_size, guessed.local_known) == (3, 4, False)
+    assert not _runtime.detect_launch({"PMI_RANK": "1", "PMI_SIZE": "2"}).local_known
+
+
 @pytest.mark.parametrize("env, words", [
     ({"RANK": "2", "WORLD_SIZE": "2"}, ["rank 2", "world size 2"]),
     ({"PMI_RANK": "x", "PMI_SIZE": "2"}, ["PMI_RANK"]),
@@ -249,7 +258,9 @@ def test_bind_to_own_cores_leaves_a_bound_or_crowded_or_opted_out_rank(monkeypat
 
 @pytest.mark.skipif(not (scheduling.available() and _whole_host()),
                     reason="needs Linux and at least 2 cores this process may all use")
-def test_a_pipeline_that_fails_to_start_gives_the_threads_their_class_and_cores_back(monkeypatch):
+@pytest.mark.parametrize("local_known", [True, False])
+def test_a_pipeline_that_fails_to_start_gives_the_threads_their_class_and_cores_back(
+        monkeypatch, local_known):
     import types
 
     import torch
@@ -261,12 +272,13 @@ def test_a_pipeline_that_fails_to_start_gives_the_threads_their_class_and_cores_
     monkeypatch.delenv(scheduling.BIND_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(pipeline_module, "state", types.SimpleNamespace(
-        launch=LaunchInfo("torchrun", 0, 2, 0, 2, None, None)))
+        launch=LaunchInfo("torchrun", 0, 2, 0, 2, None, None, local_known)))
 
     def server_fails(*args, **kwargs):
-        # What the server's start does first here: the class and the binding are in place.
+        # What the server's start does first here: the class and the binding are in place (no
+        # binding when the launcher did not say how many ranks share the host).
         assert os.sched_getscheduler(0) == os.SCHED_BATCH
-        assert scheduling.binding() is not None
+        assert (scheduling.binding() is not None) == local_known
         raise RuntimeError("the module server could not start")
 
     monkeypatch.setattr(pipeline_module, "ModuleServer", server_fails)

@@ -42,6 +42,9 @@ class LaunchInfo:
     local_size: int
     master_addr: Optional[str]
     master_port: Optional[int]
+    # The launcher said how many ranks share this host (else local rank and size are the
+    # global ones, a guess that holds on one host only).
+    local_known: bool = True
 
     @property
     def is_mpi(self) -> bool:
@@ -77,23 +80,26 @@ def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
         local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
+        known = "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher = "openmpi"
         rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        known = True
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
         launcher = "mpich"
         rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else rank
         local_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size
+        known = "MPI_LOCALRANKID" in env and "MPI_LOCALNRANKS" in env
     else:
-        launcher, rank, size, local_rank, local_size = "single", 0, 1, 0, 1
+        launcher, rank, size, local_rank, local_size, known = "single", 0, 1, 0, 1, True
     if not (0 <= rank < size):
         raise ValueError(f"{launcher} environment gives rank {rank} outside world size {size}")
     addr = env.get("MASTER_ADDR") or _sagemaker_master(env)
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
-    return LaunchInfo(launcher, rank, size, local_rank, local_size, addr, port)
+    return LaunchInfo(launcher, rank, size, local_rank, local_size, addr, port, known)
 
 
 def timeout_seconds(env: Optional[Mapping[str, str]] = None) -> float:

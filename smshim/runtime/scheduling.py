@@ -21,7 +21,8 @@ the host's ranks an equal slice of the cores, as `mpirun` binds ranks by default
 several busy threads, and left free the kernel spreads two ranks' threads over the same cores
 (the tiny-block step took 16-19 ms unbound against 12-14 bound, docs/benchmarks.md). Not when a
 launcher bound the rank already (its set is not the whole host), nor with more ranks than cores;
-`SMSHIM_BIND_CORES=0` turns it off. The intra-op thread count is cut to the slice's size.
+`SMSHIM_BIND_CORES=0` turns it off. The intra-op thread count is cut to the slice's size. (The
+pipeline calls it only when the launcher gave the host's rank count: `LaunchInfo.local_known`.)
 """
 
 from __future__ import annotations

@@ -78,7 +78,10 @@ class Pipeline:
         # before the server and transport start theirs, which inherit both and adopt the
         # intra-op thread count).
         scheduling.use_batch_scheduling()
-        scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
+        # (Only when the launcher said how many ranks share the host: guessed from the world
+        # size, another host's ranks would count here, and some of its cores go unused.)
+        if state.launch.local_known:
+            scheduling.bind_to_own_cores(state.launch.local_rank, state.launch.local_size)
         try:
             self.server = ModuleServer(root, assignment, pp_rank, self.lock, timeline,
                                        timeout_s, device, deterministic)
