@@ -17,21 +17,22 @@ from smshim.modelparallel.torch.pipeline.server import ModuleServer
 from smshim.timeline.recorder import Timeline
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
 from smshim.modelparallel.torch.pipeline.value_store import ValueStore
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 from smshim.testing import run_ranks
 from tests.polling import wait_until
 
 
 @pytest.fixture
 def woken(monkeypatch):
-    """The events set from now on (threading.Event, counted)."""
+    """The wake-ups set from now on (`Wakeup.set`, counted)."""
     sets = []
+    real_set = Wakeup.set
 
-    class Event(threading.Event):
-        def set(self):
-            sets.append(self)
-            super().set()
+    def counted_set(self):
+        sets.append(self)
+        real_set(self)
 
-    monkeypatch.setattr(threading, "Event", Event)
+    monkeypatch.setattr(Wakeup, "set", counted_set)
     return sets
 
 
@@ -50,7 +51,7 @@ def test_a_release_wakes_only_the_waiter_that_takes_the_lock(woken):
         threads.append(threading.Thread(target=take, args=((1, i), f"mb{i}"), daemon=True))
         threads[-1].start()
         wait_until(lambda: len(lock._waiters) == i)
-    woken.clear()  # (starting a thread sets an event too)
+    woken.clear()  # (what the set-up woke)
     lock.release()
     wait_until(lambda: log)
     assert log == ["mb1"]
@@ -71,7 +72,7 @@ def test_a_value_wakes_only_the_threads_waiting_for_it(woken):
     for t in threads:
         t.start()
     wait_until(lambda: len(store._getters) == 3)
-    woken.clear()  # (starting a thread sets an event too)
+    woken.clear()  # (what the set-up woke)
     store.put("b", torch.ones(1), microbatch=0)
     threads[1].join(5)
     assert list(got) == ["b"]
@@ -133,7 +134,7 @@ def test_a_turn_wakes_only_the_body_whose_turn_it_is(server, woken):
     for t in threads:
         t.start()
     wait_until(lambda: len(server.turns._waiters) == 3)
-    woken.clear()  # (starting a thread sets an event too)
+    woken.clear()  # (what the set-up woke)
     server.turns.forward_over(0)
     threads[0].join(5)
     assert order == [1]
@@ -206,3 +207,21 @@ def test_a_value_asked_for_later_then_at_once_is_sent_once_at_once():
     store.want(("k",), 1, later=True)
     assert store.put(("k",), torch.zeros(1), 0) == [(0, False), (1, True)]
     assert store.want(("k",), 2, later=True) is not None  # here already: sent now, as asked
+
+
+def test_a_wakeup_wakes_one_wait_per_set_however_often_it_was_set():
+    w = Wakeup()
+    assert not w.wait(timeout=0)
+    w.set()
+    w.set()  # (a second set before the wait counts as one)
+    assert w.wait(timeout=0)
+    assert not w.wait(timeout=0.01)
+    w.set()
+    w.clear()
+    assert not w.wait(timeout=0)
+    got = []
+    t = threading.Thread(target=lambda: got.append(w.wait(timeout=30)))
+    t.start()
+    w.set()
+    t.join(timeout=30)
+    assert got == [True]

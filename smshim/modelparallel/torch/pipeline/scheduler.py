@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
+
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -247,7 +249,7 @@ class ComputeLock:
         thread may take the lock; returns whether it told `on_wait`."""
         event = getattr(self._local, "event", None)  # (a thread waits in one acquire at a time)
         if event is None:
-            event = self._local.event = threading.Event()
+            event = self._local.event = Wakeup()
         entry = (priority, seq, me, key, event)
         heapq.heappush(self._waiters, entry)
         told = False

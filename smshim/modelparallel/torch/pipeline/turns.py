@@ -19,6 +19,7 @@ import time
 from typing import Callable, ContextManager, List, Union
 
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 
 
 class Turns:
@@ -95,7 +96,7 @@ class Turns:
         with self._lock:
             if _turn_come(done, mb):
                 return
-            event = threading.Event()
+            event = Wakeup()
             waiter = (done, mb, event)
             self._waiters.append(waiter)
         try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from smshim.modelparallel.torch.pipeline.messages import PipelineError
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 
 Key = Tuple[Any, ...]
 
@@ -34,7 +35,7 @@ class ValueStore:
         self._waiters: Dict[Key, List[tuple]] = {}
         # Threads in `get`, by the key they wait for: a value wakes only its own waiters (on
         # pp_rank 0 every microbatch's body may be waiting for a gradient at once).
-        self._getters: Dict[Key, List[threading.Event]] = {}
+        self._getters: Dict[Key, List[Wakeup]] = {}
         self._error: Optional[BaseException] = None
 
     def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[Tuple[int, bool]]:
@@ -88,7 +89,7 @@ class ValueStore:
 
     def get(self, key: Key, describe: Callable[[], str]) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout_s
-        event: Optional[threading.Event] = None
+        event: Optional[Wakeup] = None
         try:
             while True:
                 with self._lock:
@@ -98,7 +99,7 @@ class ValueStore:
                     if self._error is not None:
                         raise PipelineError(f"{describe()}: {self._error}") from self._error
                     if event is None:
-                        event = threading.Event()
+                        event = Wakeup()
                         self._getters.setdefault(key, []).append(event)
                     else:
                         event.clear()  # (a `put` after this check sets it again: none is lost)

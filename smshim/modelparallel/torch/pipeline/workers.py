@@ -17,6 +17,8 @@ from typing import Any, Callable, List
 
 import torch
 
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,7 +56,7 @@ class Workers:
             slot = self._idle.pop() if self._idle else None
             start = slot is None
             if start:
-                slot = [threading.Event(), None]
+                slot = [Wakeup(), None]
                 thread = threading.Thread(target=self._loop, args=(slot,), daemon=True,
                                           name=self.name)
                 self.threads.append(thread)
