@@ -9,7 +9,7 @@ import logging
 import pickle
 import queue
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # SMSHIM_PREDICT=0: every remote call waits for its outputs' metadata (no prediction from earlier
 # calls); for modules whose output structure or shapes depend on input values, not input shapes.
 PREDICT_ENV = "SMSHIM_PREDICT"
+
+# What a value waited for is, for errors: a text, or a function that says it (a request's
+# inputs are named only if they must be waited for: an f-string per request is measurable).
+_What = Union[str, Callable[[], str]]
 
 # _Cell.fetching: asked for with PREFETCH (True: with FETCH).
 _LATER = "later"
@@ -268,7 +272,7 @@ class CallerSide:
         return [one(t) for t in tensors], inline
 
 
-    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: str):
+    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: "_What"):
         if enc is None:
             return None
         kind = enc[0]
@@ -294,8 +298,9 @@ class CallerSide:
         if cell.owner == self.me:
             return self._get_value(key, self.me, cell.what)
         self._ask(cell)
-        return self._get_value(key, cell.owner, f"{cell.what} (microbatch {cell.microbatch}, "
-                                                f"step {ctx.step})")
+        step = ctx.step
+        return self._get_value(key, cell.owner, lambda: f"{cell.what} (microbatch "
+                                                        f"{cell.microbatch}, step {step})")
 
 
     def _ask(self, cell: _Cell, hold: bool = False, later: bool = False) -> None:
@@ -381,12 +386,15 @@ class CallerSide:
             "function, or died (SMSHIM_TIMEOUT sets this limit)")
 
 
-    def _get_value(self, key, owner: int, what: str) -> torch.Tensor:
-        """A value this rank holds or is sent, waiting for it (lock given up)."""
+    def _get_value(self, key, owner: int, what: "_What") -> torch.Tensor:
+        """A value this rank holds or is sent, waiting for it (lock given up). `what` names it
+        in errors (a function: called only if the value must be waited for)."""
         value = self.store.peek(key)
         if value is not None:
             self._computing()
             return value
+        if callable(what):
+            what = what()
         take_back = self._before_wait()
         with self.lock.released(take_back), self.timeline.span(f"wait {what}", "wait", peer=owner):
             try:

@@ -1,8 +1,9 @@
 """The bytes of a frame: a prefix of two int64 lengths, the pickled message headers, then the
-tensors' bytes, assembled with numpy (transport.py posts and receives them)."""
+tensors' bytes (transport.py assembles them in a bytearray, posts and receives them)."""
 
 from __future__ import annotations
 
+import struct
 from typing import Dict
 
 import numpy as np
@@ -12,6 +13,11 @@ FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
 
 
 _PREFIX = 16  # two int64 lengths
+
+
+def _prefix(header_len: int, body_len: int) -> bytes:
+    """A frame's first bytes: its headers' and body's lengths, as the receiver reads them."""
+    return struct.pack("=qq", header_len, body_len)  # (native int64s: np.int64's layout)
 
 
 def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:

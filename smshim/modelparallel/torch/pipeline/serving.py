@@ -180,7 +180,7 @@ class OwnerSide:
         template_bytes, enc, requires, grad_enabled, reply, expect, amp = msg.meta
         if msg.src == 0:
             self._admit(msg.microbatch, msg.step)
-        what = f"an input of the {self._what(msg, 'forward')}"
+        what = lambda: f"an input of the {self._what(msg, 'forward')}"  # noqa: E731  (on error)
         tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         template = loads_template(template_bytes)
 
@@ -212,9 +212,10 @@ class OwnerSide:
 
     def _serve_backward(self, msg: Message) -> None:
         enc, push = msg.meta
-        what = f"a gradient for the {self._what(msg, 'backward')}"
+        what = lambda: f"a gradient for the {self._what(msg, 'backward')}"  # noqa: E731
         # The forward may still be queued here (requests do not wait for each other's replies).
-        self._get_value((msg.src, msg.call_id, "fwd", 0), self.me, self._what(msg, "forward"))
+        self._get_value((msg.src, msg.call_id, "fwd", 0), self.me,
+                        lambda: self._what(msg, "forward"))
         grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         ticket = getattr(msg, "ticket", None)
         if ticket is not None:
