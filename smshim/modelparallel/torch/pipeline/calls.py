@@ -272,7 +272,7 @@ class CallerSide:
         return [one(t) for t in tensors], inline
 
 
-    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: "_What"):
+    def _decode(self, enc, tensors: List[torch.Tensor], src: int, what: _What):
         if enc is None:
             return None
         kind = enc[0]
@@ -386,7 +386,7 @@ class CallerSide:
             "function, or died (SMSHIM_TIMEOUT sets this limit)")
 
 
-    def _get_value(self, key, owner: int, what: "_What") -> torch.Tensor:
+    def _get_value(self, key, owner: int, what: _What) -> torch.Tensor:
         """A value this rank holds or is sent, waiting for it (lock given up). `what` names it
         in errors (a function: called only if the value must be waited for)."""
         value = self.store.peek(key)

@@ -412,8 +412,8 @@ class Transport:
         (gloo accepts a shorter message), so small messages cost a single send; what does not
         fit follows in one more each: the headers (rare: a huge non-tensor payload), then the
         body. Assembled with numpy and a bytearray (a handful of torch ops per message cost more
-        than the transfer of a small one). Returns the sends' works and the buffers they read, which
-        must live until they complete."""
+        than the transfer of a small one). Returns the sends' works and the buffers they read,
+        which must live until they complete."""
         headers, body, apart = [], [], []
         channel = self._apart
         for msg in msgs:
