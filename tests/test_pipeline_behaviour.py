@@ -192,15 +192,17 @@ def test_a_body_s_requests_leave_before_another_microbatch_s_backward_runs(tmp_p
 
 
 def _tiny_blocks_lock_turns(steps):
-    """The tiny-block model (pp = 2, m = 8, interleaved); per step on this rank: requests
-    served, and turns at the compute lock taken by the threads serving them."""
+    """The tiny-block model (pp = 2, m = 8, interleaved); on this rank: requests served, turns
+    at the compute lock taken by the threads serving them, and requests put in the run queue."""
     import smdistributed.modelparallel.torch as smp
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
     from smshim.modelparallel.torch.pipeline.serving import OwnerSide
 
-    counts = {"requests": 0, "turns": 0}
+    from smshim.modelparallel.torch.pipeline.run_queue import RunQueue
+
+    counts = {"requests": 0, "turns": 0, "queued": 0}
     counting = threading.Lock()  # (several threads serve requests)
-    acquire, serve_one = ComputeLock.acquire, OwnerSide._serve_one
+    acquire, serve_one, put = ComputeLock.acquire, OwnerSide._serve_one, RunQueue.put
 
     def counted_acquire(self, priority, *args, **kwargs):
         if priority[0] < 2:  # (not the weight gradients' thread, which works in the gaps)
@@ -213,7 +215,13 @@ def _tiny_blocks_lock_turns(steps):
             counts["requests"] += 1
         return serve_one(self, msg)
 
+    def counted_put(self, *args, **kwargs):
+        with counting:
+            counts["queued"] += 1
+        return put(self, *args, **kwargs)
+
     ComputeLock.acquire, OwnerSide._serve_one = counted_acquire, counted_serve_one
+    RunQueue.put = counted_put
     _train_tiny_blocks(steps)
     return smp.pp_rank(), counts
 
@@ -231,6 +239,19 @@ def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_comp
         # One turn per microbatch and direction when every chain holds; some break (the next
         # request came after the lock was given up, or another microbatch's work went first).
         assert counts["turns"] <= counts["requests"] / 2, counts
+
+
+def test_a_chained_call_made_ready_by_its_predecessor_runs_next_without_the_run_queue():
+    """The request a chain runs next is made ready by its predecessor's results, on the thread
+    that runs the chain: `_chain` takes it there (OwnerSide._ready keeps it for it), instead of
+    it going into the run queue and out again. Only a chain's first request, and the next ones
+    of a chain that broke, are queued."""
+    steps = 3
+    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
+        if pp_rank != 1:
+            continue
+        assert counts["requests"] == steps * 8 * 5 * 2, counts
+        assert counts["queued"] <= counts["requests"] / 2, counts
 
 
 def _tiny_blocks_dispatches(steps):

@@ -38,5 +38,17 @@ def at_tp_region_depth(depth: int) -> Iterator[None]:
         ctx.tp_region_depth = saved
 
 
-# .here: this thread may take the run queue's role (it dispatches a frame, or serves a request)
-_serving = threading.local()
+class _Serving(threading.local):
+    """What a thread of the module server is doing (serving.py)."""
+
+    here: bool = False  # it may take the run queue's role (it dispatches a frame, or serves)
+    chains: bool = False  # it serves requests (`_serve`) and may chain the next one
+    next = None  # the request `_serve` runs next (`_chain` took it)
+    kept = None  # the chain holds the compute lock: how its end counts as done
+    # While a served request delivers its results: the (direction, microbatch) of the request
+    # a result may make ready to run next, and that request, once it has (`_ready`, `_chain`).
+    chain_key = None
+    candidate = None
+
+
+_serving = _Serving()

@@ -117,6 +117,12 @@ class RunQueue:
             heapq.heappop(self._heap)
             return item
 
+    def first_is_after(self, priority: Any) -> bool:
+        """Does nothing queued go before or with `priority` (the runner may run work of that
+        priority it holds, as `take_next` would have taken it had it been queued)?"""
+        with self._lock:
+            return not self._heap or priority < self._heap[0][0]
+
     def step_down(self) -> None:
         """The calling thread is about to wait for something queued work may produce: if it
         is the runner, the role passes to a new thread when work is queued, else it is free."""

@@ -71,7 +71,15 @@ class OwnerSide:
         if self.timeline.enabled:
             self.timeline.instant(f"ready {msg.kind} {msg.module}", "ready",
                                   microbatch=msg.microbatch, step=msg.step)
-        self._runq.put(self._request_priority(msg), msg, here=getattr(_serving, "here", False))
+        key = _serving.chain_key
+        if key is not None and _serving.candidate is None and msg.src == 0 \
+                and self._request_key(msg) == key:
+            # The next call of the chain this thread serves, made ready by its results: `_chain`
+            # runs it next or queues it (a few µs of queue work a request, which in the
+            # pipeline, cache-cold, cost many times that).
+            _serving.candidate = msg
+            return
+        self._runq.put(self._request_priority(msg), msg, here=_serving.here)
 
 
     def _hold_place_for_next(self) -> None:
@@ -107,7 +115,7 @@ class OwnerSide:
             if _serving.next is not None:  # (a failure after the next one was taken)
                 self._unqueue(_serving.next)
                 _serving.next = None
-            if getattr(_serving, "kept", None) is not None:
+            if _serving.kept is not None:
                 more, _serving.kept = _serving.kept, None
                 if self.lock.held():
                     self.lock.release(reserve=more())
@@ -154,12 +162,18 @@ class OwnerSide:
         queue and keep the lock for it: `_serve` runs it next, without the lock's hand-over and
         the queue's round (3 % of a stage's CPU on tiny modules: docs/benchmarks.md). Else the
         next request keeps its place in the lock's queue (`_hold_place_for_next`)."""
-        kept = getattr(_serving, "kept", None)
-        if src == 0 and not self.deterministic and getattr(_serving, "chains", False) \
+        candidate, _serving.candidate = _serving.candidate, None
+        kept = _serving.kept
+        if src == 0 and not self.deterministic and _serving.chains \
                 and (kept is not None or hold.took) and self._runq.is_runner() \
-                and not self.lock.contested(self._priority(kind, mb)):
-            nxt = self._runq.take_next(lambda m: m.src == 0
-                                       and self._request_key(m) == (kind, mb))
+                and not self.lock.contested(priority := self._priority(kind, mb)):
+            if candidate is not None and self._runq.first_is_after(priority):
+                nxt = candidate  # (what take_next would take, had it been queued)
+            else:
+                if candidate is not None:
+                    self._runq.put(self._request_priority(candidate), candidate, here=True)
+                nxt = self._runq.take_next(lambda m: m.src == 0
+                                           and self._request_key(m) == (kind, mb))
             if nxt is not None:
                 _serving.next = nxt
                 if kept is None:  # (the chain's first: its hold gives the lock up no more)
@@ -168,7 +182,27 @@ class OwnerSide:
                 else:
                     self._more_regions(kind, mb)  # (counted as the first's hold would)
                 return
+        if candidate is not None:
+            self._runq.put(self._request_priority(candidate), candidate, here=_serving.here)
         self._hold_place_for_next()
+
+
+    def _deliver(self, deliver: Callable[..., None], args: tuple,
+                 chain_key: Optional[tuple]) -> None:
+        """`deliver(*args)`. `chain_key`: (direction, microbatch) of pp_rank 0's request being
+        served, if `_chain` runs next: a request of the same key that the results make ready is
+        kept for it (`_ready`); it is the next call of the chain. (The microbatch is admitted:
+        the candidate may start.)"""
+        _serving.chain_key = chain_key if _serving.chains else None
+        try:
+            deliver(*args)
+        except BaseException:
+            candidate, _serving.candidate = _serving.candidate, None
+            if candidate is not None:  # (no `_chain` now: it waits in the queue as before)
+                self._runq.put(self._request_priority(candidate), candidate, here=_serving.here)
+            raise
+        finally:
+            _serving.chain_key = None
 
 
     def _what(self, msg: Message, direction: str) -> str:
@@ -293,7 +327,8 @@ class OwnerSide:
                             live = sum(1 for n in self._graphs.values() if n > 0)
                             self.peak_live_microbatches = max(self.peak_live_microbatches, live)
             if deliver is not None:
-                deliver(out_template, outs, out_rg)
+                self._deliver(deliver, (out_template, outs, out_rg),
+                              (FORWARD, mb) if caller == 0 else None)
             self._chain(hold, FORWARD, mb, caller)
         return out_template, outs, out_rg
 
@@ -323,7 +358,8 @@ class OwnerSide:
                 in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
                             if t.requires_grad else None for t in inputs]
                 if deliver is not None:
-                    deliver(in_grads)
+                    self._deliver(deliver, (in_grads,),
+                                  (BACKWARD, mb) if caller == 0 and pairs else None)
                 if pairs:
                     self._chain(hold, BACKWARD, mb, caller)
         finally:
@@ -339,7 +375,7 @@ class OwnerSide:
                         and len(self._forward_microbatches) >= self._expected_microbatches
                         and not self._nested_callers)
             # A queued forward may now be admitted: a thread serving requests runs it next.
-            self._runq.poke(here=getattr(_serving, "here", False))
+            self._runq.poke(here=_serving.here)
         if done:
             self.weight_grads.flush()
             if self.on_local_backward_done is not None:
