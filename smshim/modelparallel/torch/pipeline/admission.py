@@ -50,6 +50,8 @@ class Admission:
         forward is over and none of its forward requests came here), so no microbatch can be
         overtaken by one that then waits for it. (The run queue starts no forward that would
         wait here; a thread that took one before another was admitted waits.)"""
+        if mb in self._admitted:  # (every forward of a microbatch after its first: it stays so)
+            return
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while not self._admissible_locked(mb):

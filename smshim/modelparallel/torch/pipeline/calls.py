@@ -164,7 +164,7 @@ class CallerSide:
         template_bytes = dumps_template(call.template)
         amp = autocast_state.capture()  # the module runs under the caller's autocast
         pkey = (call.module, template_bytes, grad_enabled, amp,
-                tuple((tuple(s), d, r) for (s, d), r in zip(call.in_meta, call.requires)))
+                tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
         pred = None if (sync or not self.predict) else self._predictions.get(pkey)
         call.call_id = call_id = next(self._ids)
         # pp_rank 0's requests that need no reply are held to leave with the next ones to the

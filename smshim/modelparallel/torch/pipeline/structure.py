@@ -50,7 +50,7 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         return _Slot(0), [obj]
     if _plain_call(obj) and all(isinstance(a, torch.Tensor) for a in obj[0]):
-        return (tuple(_Slot(i) for i in range(len(obj[0]))), {}), list(obj[0])
+        return _plain_template(len(obj[0])), list(obj[0])
     tensors: List[torch.Tensor] = []
 
     def to_slot(leaf):
@@ -66,6 +66,8 @@ def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of `flatten`."""
     if type(template) is _Slot:
         return tensors[template.index]
+    if id(template) in _PLAIN_BYTES:  # (the shared template of n tensor arguments)
+        return tuple(tensors), {}
     if _plain_call(template) and all(type(a) is _Slot for a in template[0]):
         return tuple(tensors[a.index] for a in template[0]), {}
     return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
@@ -78,10 +80,24 @@ def _plain_call(obj: Any) -> bool:
 
 
 # A call's template travels pickled. The common one, n tensor arguments and no keywords, is the
-# same for every microbatch: pickled once per n on the caller, unpickled once per bytes on the
-# owner (other templates may hold objects a module could change, so they are unpickled anew).
-_PLAIN_BYTES: Dict[int, bytes] = {}
+# same for every microbatch: one object per n on both ends (never changed: `fill` builds a call
+# from it), pickled once, unpickled once per bytes (other templates may hold objects a module
+# could change, so they are unpickled anew).
+_PLAIN_BY_ARITY: Dict[int, Any] = {}
+_PLAIN_BYTES: Dict[int, bytes] = {}  # id of a template in _PLAIN_BY_ARITY (alive for good) -> pickle
 _PLAIN_TEMPLATES: Dict[bytes, Any] = {}
+
+
+def _plain_template(n: int) -> Any:
+    """The shared template ((slot 0, ..., slot n-1), {})."""
+    template = _PLAIN_BY_ARITY.get(n)
+    if template is None:
+        # (setdefault: of two threads here at once, one template wins and only it is known)
+        template = _PLAIN_BY_ARITY.setdefault(n, (tuple(_Slot(i) for i in range(n)), {}))
+        data = pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
+        _PLAIN_TEMPLATES.setdefault(data, template)
+        _PLAIN_BYTES[id(template)] = data
+    return template
 
 
 def _plain_arity(template: Any) -> int:
@@ -96,21 +112,21 @@ def _plain_arity(template: Any) -> int:
 
 
 def dumps_template(template: Any) -> bytes:
+    data = _PLAIN_BYTES.get(id(template))
+    if data is not None:
+        return data
     n = _plain_arity(template)
     if n < 0:
         return pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
-    data = _PLAIN_BYTES.get(n)
-    if data is None:
-        data = _PLAIN_BYTES[n] = pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
-        _PLAIN_TEMPLATES[data] = template
-    return data
+    return _PLAIN_BYTES[id(_plain_template(n))]
 
 
 def loads_template(data: bytes) -> Any:
     template = _PLAIN_TEMPLATES.get(data)
     if template is not None:
-        return template  # (`fill` builds a call from it without changing it)
+        return template
     template = pickle.loads(data)
-    if _plain_arity(template) >= 0:
-        _PLAIN_TEMPLATES.setdefault(data, template)
+    n = _plain_arity(template)
+    if n >= 0:
+        template = _PLAIN_TEMPLATES.setdefault(data, _plain_template(n))
     return template

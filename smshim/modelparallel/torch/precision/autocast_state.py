@@ -23,6 +23,8 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 def capture() -> State:
     """The calling thread's autocast state (None when autocast is off for every device type)."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return None  # (the usual case, at every remote call: without building a tuple)
     on = tuple((device_type, torch.get_autocast_dtype(device_type),
                 torch.is_autocast_cache_enabled())
                for device_type in _DEVICE_TYPES if torch.is_autocast_enabled(device_type))
