@@ -195,10 +195,9 @@ def _tiny_blocks_lock_turns(steps):
     """The tiny-block model (pp = 2, m = 8, interleaved); on this rank: requests served, turns
     at the compute lock taken by the threads serving them, and requests put in the run queue."""
     import smdistributed.modelparallel.torch as smp
+    from smshim.modelparallel.torch.pipeline.run_queue import RunQueue
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
     from smshim.modelparallel.torch.pipeline.serving import OwnerSide
-
-    from smshim.modelparallel.torch.pipeline.run_queue import RunQueue
 
     counts = {"requests": 0, "turns": 0, "queued": 0}
     counting = threading.Lock()  # (several threads serve requests)

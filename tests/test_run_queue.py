@@ -151,6 +151,95 @@ def test_the_runner_takes_the_next_item_only_if_it_is_the_one_it_would_run_and_w
     assert ran == ["late", "c"] and started == []
 
 
+def test_first_is_after_says_whether_queued_work_goes_before_or_with_a_priority():
+    q = RunQueue(lambda item: None, _spawner([]))
+    assert q.first_is_after((0, 3))  # nothing queued
+    q.put((0, 3), "a", here=True)
+    assert q.first_is_after((0, 2))
+    assert not q.first_is_after((0, 3))  # an equal one goes first: it came first
+    assert not q.first_is_after((1, 0))
+
+
+# ---- a chain's next request: kept for `_chain`, not queued --------------------------------
+
+def _owner():
+    from smshim.modelparallel.torch.pipeline.serving import OwnerSide
+
+    class Owner(OwnerSide):
+        """The owner's side alone, over a run queue: what `_ready` and `_deliver` use."""
+
+        deterministic = False
+
+        def __init__(self) -> None:
+            from smshim.timeline.recorder import Timeline
+
+            self.timeline = Timeline(0, None)
+            self._runq = RunQueue(lambda item: None, _spawner([]))
+
+        def _priority(self, kind, mb):
+            return (0 if kind == "forward" else 1, mb)
+
+    return Owner()
+
+
+def _request(kind, mb, src=0):
+    from smshim.modelparallel.torch.pipeline.messages import Message
+
+    msg = Message(kind, 0, mb, 7, "block")
+    msg.src = src
+    return msg
+
+
+def test_a_request_its_predecessor_s_results_make_ready_is_kept_for_the_chain():
+    from smshim.modelparallel.torch.pipeline.context import _serving
+    from smshim.modelparallel.torch.pipeline.messages import FWD_REQ
+    from smshim.modelparallel.torch.pipeline.scheduler import FORWARD
+
+    owner = _owner()
+    nxt, other_mb, nested = _request(FWD_REQ, 3), _request(FWD_REQ, 4), _request(FWD_REQ, 3, 2)
+    _serving.here = _serving.chains = True
+    try:
+        owner._deliver(lambda: [owner._ready(m) for m in (other_mb, nested, nxt)], (),
+                       (FORWARD, 3))
+        assert _serving.candidate is nxt and _serving.chain_key is None
+        assert len(owner._runq) == 2  # another microbatch's, and a nested call's: queued
+        _serving.candidate = None
+        owner._ready(_request(FWD_REQ, 3))  # not while a result is delivered: queued
+        assert len(owner._runq) == 3 and _serving.candidate is None
+        owner.deterministic = True  # (its requests keep the queue's order)
+        owner._deliver(lambda: owner._ready(_request(FWD_REQ, 3)), (), (FORWARD, 3))
+        assert len(owner._runq) == 4 and _serving.candidate is None
+    finally:
+        _serving.here = _serving.chains = False
+        _serving.candidate = _serving.chain_key = None
+
+
+def test_a_kept_request_goes_to_the_queue_when_its_predecessor_s_delivery_fails():
+    from smshim.modelparallel.torch.pipeline.context import _serving
+    from smshim.modelparallel.torch.pipeline.messages import BWD_REQ
+    from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD
+
+    owner = _owner()
+
+    def deliver() -> None:
+        owner._ready(_request(BWD_REQ, 5))
+        raise RuntimeError("the send failed")
+
+    _serving.here = _serving.chains = True
+    try:
+        try:
+            owner._deliver(deliver, (), (BACKWARD, 5))
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the failure did not propagate")
+        assert _serving.candidate is None and _serving.chain_key is None
+        assert len(owner._runq) == 1  # (no `_chain` follows: it runs from the queue)
+    finally:
+        _serving.here = _serving.chains = False
+        _serving.candidate = _serving.chain_key = None
+
+
 # ---- in a pipeline ------------------------------------------------------------------------
 
 class Slow(nn.Module):

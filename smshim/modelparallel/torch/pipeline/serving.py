@@ -192,8 +192,9 @@ class OwnerSide:
         """`deliver(*args)`. `chain_key`: (direction, microbatch) of pp_rank 0's request being
         served, if `_chain` runs next: a request of the same key that the results make ready is
         kept for it (`_ready`); it is the next call of the chain. (The microbatch is admitted:
-        the candidate may start.)"""
-        _serving.chain_key = chain_key if _serving.chains else None
+        the candidate may start. Not under deterministic_server, whose requests go through the
+        queue in the order they became ready.)"""
+        _serving.chain_key = chain_key if _serving.chains and not self.deterministic else None
         try:
             deliver(*args)
         except BaseException:
