@@ -225,19 +225,24 @@ def _tiny_blocks_lock_turns(steps):
     return smp.pp_rank(), counts
 
 
+def _stage_1_counts(steps: int) -> dict:
+    """`_tiny_blocks_lock_turns` on 2 ranks: stage 1's counts (it served every request)."""
+    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
+        if pp_rank == 1:
+            assert counts["requests"] == steps * 8 * 5 * 2, counts
+            return counts
+    raise AssertionError("no pp_rank 1 in the results")
+
+
 def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_compute_lock():
     """Stage 1 holds 4 blocks and the head: pp_rank 0's step body calls them one after another,
     5 requests per microbatch each way. Each request whose predecessor of the same microbatch
     and direction just ran here runs next with the lock kept (OwnerSide._chain), instead of
     giving the lock up, queueing and taking it again."""
-    steps = 3
-    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
-        if pp_rank != 1:
-            continue
-        assert counts["requests"] == steps * 8 * 5 * 2, counts
-        # One turn per microbatch and direction when every chain holds; some break (the next
-        # request came after the lock was given up, or another microbatch's work went first).
-        assert counts["turns"] <= counts["requests"] / 2, counts
+    counts = _stage_1_counts(steps=3)
+    # One turn per microbatch and direction when every chain holds; some break (the next
+    # request came after the lock was given up, or another microbatch's work went first).
+    assert counts["turns"] <= counts["requests"] / 2, counts
 
 
 def test_a_chained_call_made_ready_by_its_predecessor_runs_next_without_the_run_queue():
@@ -245,12 +250,8 @@ def test_a_chained_call_made_ready_by_its_predecessor_runs_next_without_the_run_
     that runs the chain: `_chain` takes it there (OwnerSide._ready keeps it for it), instead of
     it going into the run queue and out again. Only a chain's first request, and the next ones
     of a chain that broke, are queued."""
-    steps = 3
-    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
-        if pp_rank != 1:
-            continue
-        assert counts["requests"] == steps * 8 * 5 * 2, counts
-        assert counts["queued"] <= counts["requests"] / 2, counts
+    counts = _stage_1_counts(steps=3)
+    assert counts["queued"] <= counts["requests"] / 2, counts
 
 
 def _tiny_blocks_dispatches(steps):
