@@ -170,8 +170,8 @@ class OwnerSide:
             if candidate is not None and self._runq.first_is_after(priority):
                 nxt = candidate  # (what take_next would take, had it been queued)
             else:
-                if candidate is not None:
-                    self._runq.put(self._request_priority(candidate), candidate, here=True)
+                if candidate is not None:  # (its priority: the same key's)
+                    self._runq.put(priority, candidate, here=True)
                 nxt = self._runq.take_next(lambda m: m.src == 0
                                            and self._request_key(m) == (kind, mb))
             if nxt is not None:

@@ -66,10 +66,10 @@ def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of `flatten`."""
     if type(template) is _Slot:
         return tensors[template.index]
-    if id(template) in _PLAIN_BYTES:  # (the shared template of n tensor arguments)
+    # The shared template of n tensor arguments (flatten's and loads_template's for every
+    # such call); any other template is rebuilt leaf by leaf.
+    if id(template) in _PLAIN_BYTES:
         return tuple(tensors), {}
-    if _plain_call(template) and all(type(a) is _Slot for a in template[0]):
-        return tuple(tensors[a.index] for a in template[0]), {}
     return _map_leaves(template, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
 
 
