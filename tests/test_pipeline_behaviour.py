@@ -229,16 +229,17 @@ def _stage_1_counts(steps: int) -> dict:
     """`_tiny_blocks_lock_turns` on 2 ranks: stage 1's counts (it served every request)."""
     for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
         if pp_rank == 1:
-            assert counts["requests"] == steps * 8 * 5 * 2, counts
+            # 5 forward requests per microbatch, and one backward for their chain.
+            assert counts["requests"] == steps * 8 * (5 + 1), counts
             return counts
     raise AssertionError("no pp_rank 1 in the results")
 
 
 def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_compute_lock():
     """Stage 1 holds 4 blocks and the head: pp_rank 0's step body calls them one after another,
-    5 requests per microbatch each way. Each request whose predecessor of the same microbatch
-    and direction just ran here runs next with the lock kept (OwnerSide._chain), instead of
-    giving the lock up, queueing and taking it again."""
+    5 forward requests per microbatch (and one backward). Each request whose predecessor of the
+    same microbatch and direction just ran here runs next with the lock kept (OwnerSide._chain),
+    instead of giving the lock up, queueing and taking it again."""
     counts = _stage_1_counts(steps=3)
     # One turn per microbatch and direction when every chain holds; some break (the next
     # request came after the lock was given up, or another microbatch's work went first).

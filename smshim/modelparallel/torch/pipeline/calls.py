@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -18,7 +19,7 @@ from smshim.modelparallel.torch.errors import (
     SMPRuntimeError,
 )
 from smshim.modelparallel.torch.pipeline.context import ctx
-from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell
+from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
 from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
@@ -30,12 +31,33 @@ logger = logging.getLogger(__name__)
 # calls); for modules whose output structure or shapes depend on input values, not input shapes.
 PREDICT_ENV = "SMSHIM_PREDICT"
 
+# SMSHIM_MERGE_CHAINS=0: every remote call is a node of its own in pp_rank 0's autograd graph
+# (see `_Chain`).
+MERGE_CHAINS_ENV = "SMSHIM_MERGE_CHAINS"
+
 # What a value waited for is, for errors: a text, or a function that says it (a request's
 # inputs are named only if they must be waited for: an f-string per request is measurable).
 _What = Union[str, Callable[[], str]]
 
 # _Cell.fetching: asked for with PREFETCH (True: with FETCH).
 _LATER = "later"
+
+
+class _Chain:
+    """Calls of one microbatch to one owner, each taking the previous one's outputs and nothing
+    else that needs a gradient (a stage's modules in a `ModuleList` loop). In pp_rank 0's graph
+    each of them stands on the chain's first call's inputs, so its autograd runs one node (the
+    last call's) for the whole chain: its backward request has the owner backpropagate through
+    every call down to the first (`through`), and returns the first one's input gradients. The
+    other nodes are not reached, unless glue code or another call used an output of the chain
+    after the next call took it (`shared`): then the owner keeps the chain's graphs through each
+    backward for the others that may come, until the microbatch is over; the gradients sum up
+    as they would through separate nodes."""
+
+    __slots__ = ("shared",)
+
+    def __init__(self) -> None:
+        self.shared = False
 
 
 @dataclass
@@ -52,6 +74,15 @@ class _Call:
     call_id: int = -1
     out_template: Any = None
     out_requires_grad: List[bool] = field(default_factory=list)
+    # pp_rank 0, a chain's call (see `_Chain`): the chain's first call, whose inputs its node
+    # stands on (None: this one), those inputs (until the node's backward), the calls below it,
+    # nearest first ((call id, module)), the chain, and whether its own node may be reached.
+    first: Optional["_Call"] = None
+    first_inputs: Optional[Tuple[torch.Tensor, ...]] = None
+    through: List[Tuple[int, str]] = field(default_factory=list)
+    chain: Optional[_Chain] = None
+    reached: bool = False
+    tensors: Optional[List[torch.Tensor]] = None  # the call's inputs, until its request leaves
 
     def what(self, direction: str) -> str:
         return (f"{direction} of module '{self.module}' (microbatch {self.microbatch}, "
@@ -68,7 +99,9 @@ class _Prediction:
 class _RemoteCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx_, server: "CallerSide", call: _Call, anchor, *inputs):
-        outputs = server._forward(call, list(inputs), grad_enabled=True)
+        # `inputs` are the chain's first call's (the node's inputs); the request takes the call's.
+        tensors, call.tensors = call.tensors, None
+        outputs = server._forward(call, tensors, grad_enabled=True)
         ctx_.server, ctx_.call = server, call
         ctx_.set_materialize_grads(False)
         ctx_.mark_non_differentiable(*[t for t, rg in zip(outputs, call.out_requires_grad) if not rg])
@@ -149,13 +182,64 @@ class CallerSide:
                      [isinstance(t, RemoteTensor) for t in tensors],
                      [t.grad_fn is None for t in tensors])
         if grad:
+            call.tensors = tensors
             if self.me == 0:
-                self._backwards_to_issue[call.microbatch] += 1  # (one body per microbatch)
-            outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
+                self._link(call, tensors)
+                outputs = list(_apply_remote_call(self, call, self._anchor, *call.first_inputs))
+            else:
+                outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
         else:
             outputs = self._forward(call, tensors, grad_enabled=False)
         return fill(call.out_template, outputs)
 
+
+    def _link(self, call: _Call, tensors: List[torch.Tensor]) -> None:
+        """(pp_rank 0, a call with grad.) Make `call` the next of its predecessor's chain if
+        every input that needs a gradient is a distinct output of one earlier call of this
+        microbatch to the same owner, not used so far (`_Chain`); else it starts a chain. Any
+        other use of a handle counts (`_Cell.used`): one after the link marks the chain shared."""
+        prev = None
+        cells = []
+        for t, rg in zip(tensors, call.requires):
+            if not isinstance(t, RemoteTensor):
+                if rg:
+                    prev = False
+                continue
+            cell = t._cell
+            if rg and prev is not False:
+                producer = cell.producer() if cell.producer is not None else None
+                if cell.used or producer is None or (prev is not None and producer is not prev) \
+                        or producer.owner != call.owner or cell in cells:
+                    prev = False
+                else:
+                    prev = producer
+                    cells.append(cell)
+                    continue
+            _used(cell)
+        if prev and self.merge_chains and not ctx.in_backward \
+                and (prev.microbatch, prev.step) == (call.microbatch, call.step) \
+                and prev.first_inputs is not None:
+            call.first = prev.first or prev
+            call.first_inputs, call.chain = prev.first_inputs, prev.chain
+            call.through = [(prev.call_id, prev.module)] + prev.through
+            reuse = lambda: self._reused(prev)  # noqa: E731
+            for cell in cells:
+                cell.used = True
+                cell.on_reuse = reuse
+            # (The predecessor's node is not reached now: this call's node stands for it.)
+        else:
+            for cell in cells:
+                _used(cell)
+            call.first_inputs, call.chain = tuple(tensors), _Chain()
+            self._backwards_to_issue[call.microbatch] += 1  # (one body per microbatch)
+
+    def _reused(self, call: _Call) -> None:
+        """An output of `call` was used after the next call of its chain took it: its node may
+        be reached too (see `_Chain`)."""
+        call.chain.shared = True
+        if not call.reached:
+            call.reached = True
+            self._backwards_to_issue[call.microbatch] += 1
 
     def _forward(self, call: _Call, tensors: List[torch.Tensor], grad_enabled: bool):
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
@@ -198,22 +282,31 @@ class CallerSide:
             self._predictions[pkey] = pred
         call.out_template = pred.out_template
         call.out_requires_grad = [rg for _, _, rg in pred.metas]
+        # (A later call of the chain may link to it; weak: a handle kept after the step does
+        # not keep the call's inputs.)
+        producer = weakref.ref(call) if call.chain is not None else None
         return [RemoteTensor(_Cell(call.owner, (self.me, call_id, "out", i),
                                    f"forward output {i} of module '{call.module}'",
-                                   call.microbatch, self._fetch, step=call.step),
+                                   call.microbatch, self._fetch, step=call.step,
+                                   producer=producer),
                              shape, dtype, self.device)
                 for i, (shape, dtype, _) in enumerate(pred.metas)]
 
 
     def _backward(self, call: _Call, grads: List[Optional[torch.Tensor]]):
-        n = len(call.requires)
+        """The node's backward: the gradients of the chain's first call's inputs (`_Chain`),
+        which are the call's own unless it is a chain's later call."""
+        first = call.first or call
+        call.first_inputs = first.first_inputs = None  # (no call links to the chain any more)
+        n = len(first.requires)
         sync = self.me != 0
         enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)
         # Gradients this rank will need as values come unasked; the others stay with the owner
         # until the next call up the chain asks for them to be sent where it runs.
-        push = [i for i in range(n) if call.requires[i] and (sync or not call.remote_in[i])]
+        push = [i for i in range(n) if first.requires[i] and (sync or not first.remote_in[i])]
         self.transport.send(call.owner, Message(
-            BWD_REQ, call.step, call.microbatch, call.call_id, call.module, meta=(enc, push),
+            BWD_REQ, call.step, call.microbatch, call.call_id, call.module,
+            meta=(enc, push, call.through, call.chain is not None and call.chain.shared),
             tensors=inline), hold=not sync)
         self._note_backward_begun(call.microbatch)  # (once its request is queued: see there)
         # The microbatch's last backward request has left (no other call of it waits for its
@@ -228,17 +321,17 @@ class CallerSide:
             last = left == 0
         in_grads: List[Optional[torch.Tensor]] = []
         for i in range(n):
-            if not call.requires[i]:
+            if not first.requires[i]:
                 in_grads.append(None)
                 continue
             cell = _Cell(call.owner, (self.me, call.call_id, "igrad", i),
-                         f"gradient of input {i} of module '{call.module}'", call.microbatch,
+                         f"gradient of input {i} of module '{first.module}'", call.microbatch,
                          self._fetch, pushed=i in push, step=call.step)
-            if sync or call.leaf_in[i] or (last and i in push):
+            if sync or first.leaf_in[i] or (last and i in push):
                 # (A leaf: autograd would store a handle in its .grad.)
                 in_grads.append(cell.resolve())
             else:
-                shape, dtype = call.in_meta[i]
+                shape, dtype = first.in_meta[i]
                 in_grads.append(RemoteTensor(cell, shape, dtype, self.device))
         return in_grads
 

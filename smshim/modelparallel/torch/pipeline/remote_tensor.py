@@ -33,12 +33,12 @@ Key = Tuple[Any, ...]
 
 class _Cell:
     __slots__ = ("owner", "key", "terms", "value", "pushed", "sent_to", "what", "microbatch",
-                 "resolver", "lock", "fetching", "step")
+                 "resolver", "lock", "fetching", "step", "producer", "used", "on_reuse")
 
     def __init__(self, owner: int, key: Optional[Key], what: str, microbatch: int,
                  resolver: Callable[["_Cell"], torch.Tensor], pushed: bool = False,
                  terms: Optional[List[Union["_Cell", torch.Tensor]]] = None,
-                 step: int = -1) -> None:
+                 step: int = -1, producer: Optional[Callable[[], Any]] = None) -> None:
         self.owner = owner          # pp rank holding the value (-1 for a lazy sum)
         self.key = key              # the value's key in its owner's ValueStore
         self.terms = terms          # a lazy sum: cells and real tensors to add
@@ -51,6 +51,12 @@ class _Cell:
         self.lock = threading.Lock()
         self.fetching: object = False  # asked for: "later" (PREFETCH) or True (FETCH)
         self.step = step
+        # A call's output on pp_rank 0: a weak reference to the call, for the next call of its
+        # chain (calls.py, `_Chain`); whether any call or op used it; what a use after that
+        # call's must do.
+        self.producer = producer
+        self.used = False
+        self.on_reuse: Optional[Callable[[], None]] = None
 
     def resolve(self) -> torch.Tensor:
         if self.value is None:
@@ -105,6 +111,9 @@ class RemoteTensor(torch.Tensor):
                          terms=_terms(a) + _terms(b), step=_step(a, b))
             return RemoteTensor(cell, a.shape, a.dtype, a.device)
         written = _written_args(func)
+        for a in args:
+            if isinstance(a, RemoteTensor):
+                _used(a._cell)
 
         def unwrap(x):
             return x.materialize() if isinstance(x, RemoteTensor) else x
@@ -123,6 +132,14 @@ class RemoteTensor(torch.Tensor):
                 if out is args[i]._cell.value:
                     out = args[i]
         return out
+
+
+def _used(cell: _Cell) -> None:
+    """An op read a handle (see `_Cell.used`)."""
+    cell.used = True
+    if cell.on_reuse is not None:
+        reuse, cell.on_reuse = cell.on_reuse, None
+        reuse()
 
 
 def _summable(a: Any, b: Any) -> bool:

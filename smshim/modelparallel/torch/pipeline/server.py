@@ -66,6 +66,7 @@ import torch.nn as nn
 from smshim.modelparallel.torch.pipeline import weight_grad
 from smshim.modelparallel.torch.pipeline.admission import Admission
 from smshim.modelparallel.torch.pipeline.calls import (
+    MERGE_CHAINS_ENV,
     PREDICT_ENV,
     CallerSide,
     _make_proxy,
@@ -112,6 +113,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self.device = device
         self.deterministic = deterministic
         self.predict = os.environ.get(PREDICT_ENV, "1") != "0"
+        self.merge_chains = os.environ.get(MERGE_CHAINS_ENV, "1") != "0"
         self.transport: Optional[Transport] = None
         self.schedule: Optional[Schedule] = None
         self.modules = dict(root.named_modules(remove_duplicate=False))

@@ -49,13 +49,35 @@ def _needs(msg: Message) -> List[Any]:
     return keys
 
 
-def _run_backward(outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+def _run_backward(outputs: List[torch.Tensor], grads: List[torch.Tensor],
+                  retain: bool = False) -> None:
     """`torch.autograd.backward` without its argument checks, which cost a fifth of a small
     module's backward (~30 µs of ~150): the gradients come from the caller's autograd, shaped and
     typed by these outputs' metadata, and always given."""
     torch.autograd.Variable._execution_engine.run_backward(
-        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True,
+        tuple(outputs), tuple(grads), retain, False, (), allow_unreachable=True,
         accumulate_grad=True)
+
+
+def _links(enc: list, src: int, me: int) -> List[tuple]:
+    """(input i, call id, output j) for each input of a request from `src` that is output j of
+    an earlier call of `src`'s served here: how a chain's backward passes gradients down."""
+    return [(i, e[1][1], e[1][3]) for i, e in enumerate(enc)
+            if e is not None and e[0] == "r" and e[2] == me and e[1][0] == src
+            and e[1][2] == "out"]
+
+
+def _grads_below(inputs: List[torch.Tensor], links: List[tuple], below: int,
+                 n: int) -> List[Optional[torch.Tensor]]:
+    """The gradients of call `below`'s `n` outputs, from those of the inputs that took them
+    (read and cleared: a chain's graphs may be backpropagated again: calls.py, `_Chain`)."""
+    grads: List[Optional[torch.Tensor]] = [None] * n
+    for i, cid, j in links:
+        if cid == below:
+            g, inputs[i].grad = inputs[i].grad, None
+            if g is not None:
+                grads[j] = g if grads[j] is None else grads[j] + g
+    return grads
 
 
 
@@ -241,12 +263,13 @@ class OwnerSide:
 
         self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver,
-                              place=getattr(msg, "place", None), amp=amp)
+                              place=getattr(msg, "place", None), amp=amp,
+                              links=_links(enc, msg.src, self.me) if msg.src == 0 else ())
         self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
     def _serve_backward(self, msg: Message) -> None:
-        enc, push = msg.meta
+        enc, push, through, retain = msg.meta
         what = lambda: f"a gradient for the {self._what(msg, 'backward')}"  # noqa: E731
         # The forward may still be queued here (requests do not wait for each other's replies).
         self._get_value((msg.src, msg.call_id, "fwd", 0), self.me,
@@ -273,7 +296,8 @@ class OwnerSide:
 
         try:
             self._execute_backward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
-                                   grads, deliver, place=getattr(msg, "place", None))
+                                   grads, deliver, place=getattr(msg, "place", None),
+                                   through=through, retain=retain)
         finally:
             if ticket is not None:
                 with self._cond:
@@ -290,12 +314,14 @@ class OwnerSide:
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
-                         place: Optional[tuple] = None, amp: autocast_state.State = None):
+                         place: Optional[tuple] = None, amp: autocast_state.State = None,
+                         links=()):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
         results on their way to another rank leave before the next module here starts. `place`:
         the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
-        the caller's autocast state."""
+        the caller's autocast state. `links`: which inputs are outputs of earlier calls here
+        (`_links`), kept with the graph."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
@@ -318,7 +344,7 @@ class OwnerSide:
             if any(out_rg):
                 with self._cond:
                     self._forward_microbatches.add(mb)
-                    self._saved[(caller, call_id)] = (inputs, outs, mb)
+                    self._saved[(caller, call_id)] = (inputs, outs, mb, links)
                     if caller == 0:  # (a nested call's graph lives until the step's end)
                         self._graphs[mb] += 1
                         if self._graphs[mb] == 1:
@@ -337,17 +363,21 @@ class OwnerSide:
     def _execute_backward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                           grads: List[Optional[torch.Tensor]],
                           deliver: Optional[Callable[[list], None]] = None,
-                          place: Optional[tuple] = None) -> List[Optional[torch.Tensor]]:
-        """Backward through the graph kept for (caller, call_id); returns the inputs' gradients
-        (zeros for an input that needs one but which the outputs' gradients did not reach),
-        after `deliver(in_grads)`, which runs before the compute lock is given up."""
+                          place: Optional[tuple] = None, through=(),
+                          retain: bool = False) -> List[Optional[torch.Tensor]]:
+        """Backward through the graph kept for (caller, call_id), then through those of the
+        calls below it in its chain (`through`: (call id, module), nearest first; calls.py,
+        `_Chain`); returns the input gradients of the last of them (zeros for an input that needs
+        one but which the outputs' gradients did not reach), after `deliver(in_grads)`, which
+        runs before the compute lock is given up. `retain`: the graphs stay for another backward
+        (until the microbatch is over)."""
         with self._cond:
-            saved = self._saved.pop((caller, call_id), None)
+            saved = (self._saved.get if retain else self._saved.pop)((caller, call_id), None)
             if saved is None:
                 return []
             self._backwards_running += 1
         try:
-            inputs, outs, _ = saved
+            inputs, outs, _, links = saved
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
                                  lambda: self._more_regions(BACKWARD, mb), place)
@@ -355,9 +385,15 @@ class OwnerSide:
                 if pairs:
                     with self.timeline.span(name or "<root>", "backward", microbatch=mb,
                                             step=step, caller=caller):
-                        _run_backward([o for o, _ in pairs], [g for _, g in pairs])
+                        _run_backward([o for o, _ in pairs], [g for _, g in pairs], retain)
+                for below, below_name in through:
+                    inputs, links = self._backward_below(caller, below, below_name, step, mb,
+                                                         inputs, links, retain)
                 in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
                             if t.requires_grad else None for t in inputs]
+                if retain:
+                    for t in inputs:
+                        t.grad = None
                 if deliver is not None:
                     self._deliver(deliver, (in_grads,),
                                   (BACKWARD, mb) if caller == 0 and pairs else None)
@@ -366,7 +402,7 @@ class OwnerSide:
         finally:
             with self._cond:
                 self._backwards_running -= 1
-                if caller == 0:
+                if caller == 0 and not retain:
                     self._graphs[mb] -= 1
                 self._release_if_done(mb)
                 self._cond.notify_all()
@@ -382,3 +418,27 @@ class OwnerSide:
             if self.on_local_backward_done is not None:
                 self.on_local_backward_done()
         return in_grads
+
+
+    def _backward_below(self, caller: int, call_id: int, name: str, step: int, mb: int,
+                        above_inputs: List[torch.Tensor], above_links: List[tuple],
+                        retain: bool) -> tuple:
+        """(In a chain's backward, the lock held.) Backward through the graph of the chain's
+        call below the one whose inputs are `above_inputs`; returns its inputs and links."""
+        with self._cond:
+            saved = (self._saved.get if retain else self._saved.pop)((caller, call_id), None)
+            if saved is not None and caller == 0 and not retain:
+                self._graphs[mb] -= 1
+        if saved is None:
+            raise PipelineError(
+                f"pp rank {self.me} has no graph for the forward of module '{name}' (microbatch "
+                f"{mb}, step {step}) to backpropagate through, in the backward of the calls "
+                f"that followed it")
+        inputs, outs, _, links = saved
+        grads = _grads_below(above_inputs, above_links, call_id, len(outs))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            with self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
+                                    caller=caller):
+                _run_backward([o for o, _ in pairs], [g for _, g in pairs], retain)
+        return inputs, links

@@ -1,0 +1,138 @@
+"""A chain of calls to one stage (a stage's modules called one after another in a loop) is one
+node in pp_rank 0's autograd graph and one backward request (calls.py, `_Chain`), and training
+stays the same as in one process when glue code or another call also uses an output inside the
+chain, before or after the next call took it."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from smshim.testing import run_ranks
+
+STEPS, BATCH, MICROBATCHES = 3, 8, 2
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _Chained(nn.Module):
+    """`inp` on pp_rank 0; the blocks and the head on pp_rank 1."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([_Block(8) for _ in range(4)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        b = self.blocks
+        h0 = self.inp(x)
+        aux = 0.0
+        if self.mode == "loop":
+            h = h0
+            for block in b:
+                h = block(h)
+        elif self.mode == "read_after":  # glue reads h2 after blocks[2] took it
+            h2 = b[1](b[0](h0))
+            h = b[3](b[2](h2))
+            aux = (h2 * h2).mean()
+        elif self.mode == "read_before":  # glue reads h1 before blocks[1] takes it
+            h1 = b[0](h0)
+            aux = (h1 * h1).mean()
+            h = b[3](b[2](b[1](h1)))
+        elif self.mode == "two_calls":  # h1 goes to blocks[1] and blocks[2]
+            h1 = b[0](h0)
+            h = b[3](b[1](h1)) + b[2](h1)
+        elif self.mode == "read_without_grad":  # h2 read, not differentiated
+            h2 = b[1](b[0](h0))
+            h = b[3](b[2](h2))
+            aux = 0.0 * float(h2.detach().abs().sum() > -1)
+        else:
+            raise ValueError(self.mode)
+        return self.head(h), aux
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def _model(mode: str) -> _Chained:
+    torch.manual_seed(0)
+    return _Chained(mode)
+
+
+def _reference(mode: str) -> dict:
+    model = _model(mode)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in _batches():
+        opt.zero_grad()
+        # The pipeline's loss is the mean over microbatches of each one's loss.
+        loss = 0.0
+        for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+            logits, aux = model(xs)
+            loss = loss + (F.cross_entropy(logits, ys) + aux) / MICROBATCHES
+        loss.backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(mode: str):
+    import smdistributed.modelparallel.torch as smp
+
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+              "pipeline": "interleaved", "auto_partition": False, "default_partition": 1})
+    module = _model(mode)
+    smp.set_partition(module.inp, 0)
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    @smp.step
+    def train_step(model, x, y):
+        logits, aux = model(x)
+        loss = F.cross_entropy(logits, y) + aux
+        model.backward(loss)
+        return loss
+
+    kept = []
+    for x, y in _batches():
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+        kept.append(len(model._pipeline.server._saved))  # graphs left after the step: none
+    sent = model._pipeline.transport.sent_messages
+    backward_requests = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else None
+    params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return params, kept, backward_requests
+
+
+@pytest.mark.parametrize("mode", ["loop", "read_after", "read_before", "two_calls",
+                                  "read_without_grad"])
+def test_a_chain_trains_as_one_process_does(mode):
+    results = run_ranks(_train, 2, mode, timeout=120)
+    want = _reference(mode)
+    got = {}
+    for params, kept, _ in results:
+        got.update(params)
+        assert kept == [0] * STEPS, kept
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    requests = results[0][2]
+    if mode == "loop":
+        # Five calls to pp_rank 1 per microbatch (four blocks and the head), one backward
+        # request for them: the chain's.
+        assert requests == STEPS * MICROBATCHES, requests
+    elif mode == "read_before":
+        # The chain starts again at blocks[1], whose input glue had read first.
+        assert requests == STEPS * MICROBATCHES * 2, requests
