@@ -240,6 +240,41 @@ def test_a_kept_request_goes_to_the_queue_when_its_predecessor_s_delivery_fails(
         _serving.candidate = _serving.chain_key = None
 
 
+def test_a_kept_request_that_cannot_run_next_is_queued_once():
+    """`_chain` queues the kept request when queued work goes before it; when that work is not
+    the chain's either, the request stays queued, once (it was queued twice, and served twice:
+    a module's forward ran twice and its second reply was unexpected)."""
+    from smshim.modelparallel.torch.pipeline.context import _serving
+    from smshim.modelparallel.torch.pipeline.messages import BWD_REQ, FWD_REQ
+    from smshim.modelparallel.torch.pipeline.scheduler import FORWARD
+
+    class Lock:
+        def contested(self, priority):
+            return False
+
+        def keep_place(self, priority, key):
+            return ("place", priority)
+
+    class Hold:
+        took = True
+
+        def keep(self):
+            raise AssertionError("no chain: the lock is not kept")
+
+    owner = _owner()
+    owner.lock = Lock()
+    kept, first = _request(FWD_REQ, 3), _request(BWD_REQ, 1)
+    owner._runq.put((0, 1), first, here=True)  # (goes first; this thread is the runner)
+    _serving.chains, _serving.candidate = True, kept
+    try:
+        owner._chain(Hold(), FORWARD, 3, 0)
+        assert _serving.next is None and _serving.candidate is None
+        queued = [entry[2] for entry in owner._runq._heap]
+        assert queued.count(kept) == 1 and queued.count(first) == 1, queued
+    finally:
+        _serving.chains, _serving.candidate, _serving.next = False, None, None
+
+
 # ---- in a pipeline ------------------------------------------------------------------------
 
 class Slow(nn.Module):

@@ -79,7 +79,7 @@ class _Call:
     # nearest first ((call id, module)), the chain, and whether its own node may be reached.
     first: Optional["_Call"] = None
     first_inputs: Optional[Tuple[torch.Tensor, ...]] = None
-    through: List[Tuple[int, str]] = field(default_factory=list)
+    through: Tuple[Tuple[int, str], ...] = ()
     chain: Optional[_Chain] = None
     reached: bool = False
     tensors: Optional[List[torch.Tensor]] = None  # the call's inputs, until its request leaves
@@ -221,7 +221,7 @@ class CallerSide:
                 and prev.first_inputs is not None:
             call.first = prev.first or prev
             call.first_inputs, call.chain = prev.first_inputs, prev.chain
-            call.through = [(prev.call_id, prev.module)] + prev.through
+            call.through = ((prev.call_id, prev.module),) + prev.through
             reuse = lambda: self._reused(prev)  # noqa: E731
             for cell in cells:
                 cell.used = True

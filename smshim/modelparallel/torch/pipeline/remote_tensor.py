@@ -52,8 +52,8 @@ class _Cell:
         self.fetching: object = False  # asked for: "later" (PREFETCH) or True (FETCH)
         self.step = step
         # A call's output on pp_rank 0: a weak reference to the call, for the next call of its
-        # chain (calls.py, `_Chain`); whether any call or op used it; what a use after that
-        # call's must do.
+        # chain to find (calls.py, `_Chain`); whether a call or an op used it; and, once the
+        # next call of the chain took it, what any further use must do.
         self.producer = producer
         self.used = False
         self.on_reuse: Optional[Callable[[], None]] = None
@@ -135,7 +135,7 @@ class RemoteTensor(torch.Tensor):
 
 
 def _used(cell: _Cell) -> None:
-    """An op read a handle (see `_Cell.used`)."""
+    """A call or an op used a handle (see `_Cell.used`)."""
     cell.used = True
     if cell.on_reuse is not None:
         reuse, cell.on_reuse = cell.on_reuse, None

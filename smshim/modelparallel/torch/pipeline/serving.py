@@ -194,6 +194,7 @@ class OwnerSide:
             else:
                 if candidate is not None:  # (its priority: the same key's)
                     self._runq.put(priority, candidate, here=True)
+                    candidate = None  # (queued: once)
                 nxt = self._runq.take_next(lambda m: m.src == 0
                                            and self._request_key(m) == (kind, mb))
             if nxt is not None:
