@@ -31,6 +31,10 @@ class _Chained(nn.Module):
         self.inp = nn.Linear(6, 8)
         self.blocks = nn.ModuleList([_Block(8) for _ in range(4)])
         self.head = nn.Linear(8, 3)
+        self.hooked = 0  # gradients a hook saw
+
+    def _hook(self, grad):
+        self.hooked += 1
 
     def forward(self, x):
         b = self.blocks
@@ -51,6 +55,15 @@ class _Chained(nn.Module):
         elif self.mode == "two_calls":  # h1 goes to blocks[1] and blocks[2]
             h1 = b[0](h0)
             h = b[3](b[1](h1)) + b[2](h1)
+        elif self.mode == "hook_before":  # a hook on h1 before blocks[1] takes it
+            h1 = b[0](h0)
+            h1.register_hook(self._hook)
+            h = b[3](b[2](b[1](h1)))
+        elif self.mode == "hook_after":  # ... after: too late
+            h1 = b[0](h0)
+            h = b[1](h1)
+            h1.register_hook(self._hook)
+            h = b[3](b[2](h))
         elif self.mode == "read_without_grad":  # h2 read, not differentiated
             h2 = b[1](b[0](h0))
             h = b[3](b[2](h2))
@@ -113,16 +126,16 @@ def _train(mode: str):
     sent = model._pipeline.transport.sent_messages
     backward_requests = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else None
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    return params, kept, backward_requests
+    return params, kept, backward_requests, module.hooked
 
 
 @pytest.mark.parametrize("mode", ["loop", "read_after", "read_before", "two_calls",
-                                  "read_without_grad"])
+                                  "hook_before", "read_without_grad"])
 def test_a_chain_trains_as_one_process_does(mode):
     results = run_ranks(_train, 2, mode, timeout=120)
     want = _reference(mode)
     got = {}
-    for params, kept, _ in results:
+    for params, kept, _, _ in results:
         got.update(params)
         assert kept == [0] * STEPS, kept
     assert got.keys() == want.keys()
@@ -133,6 +146,24 @@ def test_a_chain_trains_as_one_process_does(mode):
         # Five calls to pp_rank 1 per microbatch (four blocks and the head), one backward
         # request for them: the chain's.
         assert requests == STEPS * MICROBATCHES, requests
-    elif mode == "read_before":
-        # The chain starts again at blocks[1], whose input glue had read first.
+    elif mode in ("read_before", "hook_before"):
+        # The chain starts again at blocks[1], whose input glue had read (or hooked) first.
         assert requests == STEPS * MICROBATCHES * 2, requests
+    if mode == "hook_before":
+        assert results[0][3] == STEPS * MICROBATCHES, results[0][3]
+
+
+def _hook_too_late():
+    try:
+        _train("hook_after")
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_hook_on_an_output_the_next_call_took_raises_naming_it():
+    """Its gradient never passes through pp_rank 0: the hook would never run."""
+    results = run_ranks(_hook_too_late, 2, timeout=120)
+    assert results[0] is not None and "SMPRuntimeError" in results[0], results
+    assert "module 'blocks.0'" in results[0] and "SMSHIM_MERGE_CHAINS=0" in results[0], results
+    assert results[1] is not None, results  # (the other rank is told, and does not hang)

@@ -26,6 +26,8 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch.utils._pytree import tree_map
 
+from smshim.modelparallel.torch.errors import SMPRuntimeError
+
 aten = torch.ops.aten
 
 Key = Tuple[Any, ...]
@@ -98,6 +100,16 @@ class RemoteTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return self.materialize().__reduce_ex__(protocol)
 
+    # A gradient hook needs the gradient to pass through this handle in pp_rank 0's autograd,
+    # which a chain of calls on one stage does not do (calls.py, `_Chain`).
+    def register_hook(self, hook):
+        _hooked(self._cell)
+        return super().register_hook(hook)
+
+    def retain_grad(self) -> None:
+        _hooked(self._cell)
+        return super().retain_grad()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -140,6 +152,18 @@ def _used(cell: _Cell) -> None:
     if cell.on_reuse is not None:
         reuse, cell.on_reuse = cell.on_reuse, None
         reuse()
+
+
+def _hooked(cell: _Cell) -> None:
+    """A gradient hook on a handle: the next call must not link to it (see `_Cell.used`); too
+    late if one did."""
+    if cell.on_reuse is not None:
+        raise SMPRuntimeError(
+            f"a gradient hook on the {cell.what} (microbatch {cell.microbatch}), after the next "
+            "module on its rank took it: smshim backpropagates such a chain of calls on that "
+            "rank, and the gradient does not pass through this tensor on pp_rank 0. Register "
+            "the hook before passing the tensor on, or set SMSHIM_MERGE_CHAINS=0")
+    cell.used = True
 
 
 def _summable(a: Any, b: Any) -> bool:
