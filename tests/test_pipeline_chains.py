@@ -59,9 +59,11 @@ class _Chained(nn.Module):
             h1 = b[0](h0)
             h1.register_hook(self._hook)
             h = b[3](b[2](b[1](h1)))
-        elif self.mode == "hook_after":  # ... after: too late
+        elif self.mode in ("hook_after", "hook_after_read"):  # ... after: too late
             h1 = b[0](h0)
             h = b[1](h1)
+            if self.mode == "hook_after_read":  # (even once glue read it too)
+                aux = (h1 * h1).mean()
             h1.register_hook(self._hook)
             h = b[3](b[2](h))
         elif self.mode == "read_without_grad":  # h2 read, not differentiated
@@ -153,17 +155,19 @@ def test_a_chain_trains_as_one_process_does(mode):
         assert results[0][3] == STEPS * MICROBATCHES, results[0][3]
 
 
-def _hook_too_late():
+def _hook_too_late(mode):
     try:
-        _train("hook_after")
+        _train(mode)
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def test_a_hook_on_an_output_the_next_call_took_raises_naming_it():
-    """Its gradient never passes through pp_rank 0: the hook would never run."""
-    results = run_ranks(_hook_too_late, 2, timeout=120)
+@pytest.mark.parametrize("mode", ["hook_after", "hook_after_read"])
+def test_a_hook_on_an_output_the_next_call_took_raises_naming_it(mode):
+    """Its gradient never passes through pp_rank 0 whole: the hook would never run, or see a
+    part of it."""
+    results = run_ranks(_hook_too_late, 2, mode, timeout=120)
     assert results[0] is not None and "SMPRuntimeError" in results[0], results
     assert "module 'blocks.0'" in results[0] and "SMSHIM_MERGE_CHAINS=0" in results[0], results
     assert results[1] is not None, results  # (the other rank is told, and does not hang)

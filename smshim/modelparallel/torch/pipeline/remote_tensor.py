@@ -150,8 +150,12 @@ def _used(cell: _Cell) -> None:
     """A call or an op used a handle (see `_Cell.used`)."""
     cell.used = True
     if cell.on_reuse is not None:
-        reuse, cell.on_reuse = cell.on_reuse, None
+        reuse, cell.on_reuse = cell.on_reuse, _reused_already  # (it stays linked: `_hooked`)
         reuse()
+
+
+def _reused_already() -> None:
+    pass
 
 
 def _hooked(cell: _Cell) -> None:
