@@ -67,6 +67,11 @@ def _links(enc: list, src: int, me: int) -> List[tuple]:
             and e[1][2] == "out"]
 
 
+def _pairs(outs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> List[tuple]:
+    """The outputs a gradient came for, with it."""
+    return [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+
+
 def _grads_below(inputs: List[torch.Tensor], links: List[tuple], below: int,
                  n: int) -> List[Optional[torch.Tensor]]:
     """The gradients of call `below`'s `n` outputs, from those of the inputs that took them
@@ -373,20 +378,17 @@ class OwnerSide:
         runs before the compute lock is given up. `retain`: the graphs stay for another backward
         (until the microbatch is over)."""
         with self._cond:
-            saved = (self._saved.get if retain else self._saved.pop)((caller, call_id), None)
+            saved = self._graph_locked((caller, call_id), retain)
             if saved is None:
                 return []
             self._backwards_running += 1
         try:
             inputs, outs, _, links = saved
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            pairs = _pairs(outs, grads)
             with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
                                  lambda: self._more_regions(BACKWARD, mb), place)
                   if pairs else contextlib.nullcontext()) as hold:
-                if pairs:
-                    with self.timeline.span(name or "<root>", "backward", microbatch=mb,
-                                            step=step, caller=caller):
-                        _run_backward([o for o, _ in pairs], [g for _, g in pairs], retain)
+                self._backprop(pairs, name, caller, step, mb, retain)
                 for below, below_name in through:
                     inputs, links = self._backward_below(caller, below, below_name, step, mb,
                                                          inputs, links, retain)
@@ -427,7 +429,7 @@ class OwnerSide:
         """(In a chain's backward, the lock held.) Backward through the graph of the chain's
         call below the one whose inputs are `above_inputs`; returns its inputs and links."""
         with self._cond:
-            saved = (self._saved.get if retain else self._saved.pop)((caller, call_id), None)
+            saved = self._graph_locked((caller, call_id), retain)
             if saved is not None and caller == 0 and not retain:
                 self._graphs[mb] -= 1
         if saved is None:
@@ -437,9 +439,19 @@ class OwnerSide:
                 f"that followed it")
         inputs, outs, _, links = saved
         grads = _grads_below(above_inputs, above_links, call_id, len(outs))
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        self._backprop(_pairs(outs, grads), name, caller, step, mb, retain)
+        return inputs, links
+
+
+    def _graph_locked(self, key: tuple, retain: bool) -> Optional[tuple]:
+        """(Under _cond.) The graph kept for `key`: taken, or left for another backward."""
+        return (self._saved.get if retain else self._saved.pop)(key, None)
+
+
+    def _backprop(self, pairs: List[tuple], name: str, caller: int, step: int, mb: int,
+                  retain: bool) -> None:
+        """Backward from (output, gradient) `pairs` of module `name`'s graph (none: nothing)."""
         if pairs:
             with self.timeline.span(name or "<root>", "backward", microbatch=mb, step=step,
                                     caller=caller):
                 _run_backward([o for o, _ in pairs], [g for _, g in pairs], retain)
-        return inputs, links
