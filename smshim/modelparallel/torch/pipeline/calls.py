@@ -9,8 +9,8 @@ import logging
 import pickle
 import queue
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -73,7 +73,7 @@ class _Call:
     leaf_in: List[bool]          # input i is a leaf (its gradient must be real)
     call_id: int = -1
     out_template: Any = None
-    out_requires_grad: List[bool] = field(default_factory=list)
+    out_requires_grad: Sequence[bool] = ()
     # pp_rank 0, a chain's call (see `_Chain`): the chain's first call, whose inputs its node
     # stands on (None: this one), those inputs (until the node's backward), the calls below it,
     # nearest first ((call id, module)), the chain, and whether its own node may be reached.
@@ -94,6 +94,10 @@ class _Prediction:
     out_template: Any
     metas: List[Tuple[Tuple[int, ...], torch.dtype, bool]]
     expect: bytes  # what the owner must find, pickled as it pickles what it found
+    requires_grad: Tuple[bool, ...] = ()  # of each output (from `metas`)
+
+    def __post_init__(self) -> None:
+        self.requires_grad = tuple(rg for _, _, rg in self.metas)
 
 
 class _RemoteCall(torch.autograd.Function):
@@ -104,7 +108,9 @@ class _RemoteCall(torch.autograd.Function):
         outputs = server._forward(call, tensors, grad_enabled=True)
         ctx_.server, ctx_.call = server, call
         ctx_.set_materialize_grads(False)
-        ctx_.mark_non_differentiable(*[t for t, rg in zip(outputs, call.out_requires_grad) if not rg])
+        if not all(call.out_requires_grad):
+            ctx_.mark_non_differentiable(
+                *[t for t, rg in zip(outputs, call.out_requires_grad) if not rg])
         return tuple(outputs)
 
     @staticmethod
@@ -175,12 +181,15 @@ class CallerSide:
             return self.real_forward(name)(*args, **kwargs)
         template, tensors = flatten((args, kwargs))
         grad = torch.is_grad_enabled()
-        requires = [grad and t.requires_grad and (t.is_floating_point() or t.is_complex())
-                    for t in tensors]
-        call = _Call(owner, name, ctx.step, ctx.microbatch, template,
-                     [(t.shape, t.dtype) for t in tensors], requires,
-                     [isinstance(t, RemoteTensor) for t in tensors],
-                     [t.grad_fn is None for t in tensors])
+        # (One pass, not a comprehension per list: this runs for every remote call.)
+        in_meta, requires, remote_in, leaf_in = [], [], [], []
+        for t in tensors:
+            in_meta.append((t.shape, t.dtype))
+            requires.append(grad and t.requires_grad and (t.is_floating_point() or t.is_complex()))
+            remote_in.append(isinstance(t, RemoteTensor))
+            leaf_in.append(t.grad_fn is None)
+        call = _Call(owner, name, ctx.step, ctx.microbatch, template, in_meta, requires,
+                     remote_in, leaf_in)
         if grad:
             call.tensors = tensors
             if self.me == 0:
@@ -258,8 +267,10 @@ class CallerSide:
         if not sync:
             with self._cond:
                 self._visited[call.microbatch].add(call.owner)
-                if any(r and not h for r, h in zip(call.requires, call.remote_in)):
-                    self._pushers[call.microbatch].add(call.owner)
+                for r, h in zip(call.requires, call.remote_in):
+                    if r and not h:
+                        self._pushers[call.microbatch].add(call.owner)
+                        break
         box = self._new_box(call_id) if reply else None
         try:
             self.transport.send(call.owner, Message(
@@ -274,14 +285,14 @@ class CallerSide:
                 self._drop_box(call_id)
         if reply == "data":
             call.out_template, metas = msg.meta
-            call.out_requires_grad = [rg for _, _, rg in metas]
+            call.out_requires_grad = tuple(rg for _, _, rg in metas)
             return msg.tensors
         if reply == "meta":
             out_template, metas = msg.meta
             pred = _Prediction(out_template, metas, _expectation(out_template, metas))
             self._predictions[pkey] = pred
         call.out_template = pred.out_template
-        call.out_requires_grad = [rg for _, _, rg in pred.metas]
+        call.out_requires_grad = pred.requires_grad
         # (A later call of the chain may link to it; weak: a handle kept after the step does
         # not keep the call's inputs.)
         producer = weakref.ref(call) if call.chain is not None else None
@@ -340,6 +351,11 @@ class CallerSide:
                 hold: bool = False):
         """How `dst` finds each tensor: sent inline ("t", i), held by dst or sent to it by its
         owner ("r", key, owner), or a lazy sum of such ("s", [...]); None stays None."""
+        for t in tensors:
+            if t is None or isinstance(t, (RemoteTensor, _Cell)):
+                break
+        else:  # (plain tensors only, as most calls' inputs: each is sent inline)
+            return [("t", i) for i in range(len(tensors))], list(tensors)
         inline: List[torch.Tensor] = []
 
         def one(t):

@@ -49,8 +49,12 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     # one tensor (a module's output), and a call's (args, kwargs) with tensor arguments only.
     if isinstance(obj, torch.Tensor):
         return _Slot(0), [obj]
-    if _plain_call(obj) and all(isinstance(a, torch.Tensor) for a in obj[0]):
-        return _plain_template(len(obj[0])), list(obj[0])
+    if _plain_call(obj):
+        args = obj[0]
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):  # (without a generator)
+            return _plain_template(1), [args[0]]
+        if all(isinstance(a, torch.Tensor) for a in args):
+            return _plain_template(len(args)), list(args)
     tensors: List[torch.Tensor] = []
 
     def to_slot(leaf):
