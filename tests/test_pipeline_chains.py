@@ -3,6 +3,8 @@ node in pp_rank 0's autograd graph and one backward request (calls.py, `_Chain`)
 stays the same as in one process when glue code or another call also uses an output inside the
 chain, before or after the next call took it."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -171,3 +173,65 @@ def test_a_hook_on_an_output_the_next_call_took_raises_naming_it(mode):
     assert results[0] is not None and "SMPRuntimeError" in results[0], results
     assert "module 'blocks.0'" in results[0] and "SMSHIM_MERGE_CHAINS=0" in results[0], results
     assert results[1] is not None, results  # (the other rank is told, and does not hang)
+
+
+class _Criterion(nn.Module):
+    def forward(self, logits, y):
+        return F.cross_entropy(logits, y)
+
+
+class _Probed(_Chained):
+    """The loop with the loss on pp_rank 1 too (no glue waits for a value: a microbatch's
+    forward code is over when it calls model.backward), noting at each microbatch 1 forward,
+    from the second step on (no call waits for its outputs' shapes), whether microbatch 0's
+    chain input, `inp`'s output on pp_rank 0, is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__("loop")
+        self.criterion = _Criterion()
+        self.calls = 0
+        self.alive: list = []
+        self._previous = None
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        mb, step = self.calls % MICROBATCHES, self.calls // MICROBATCHES
+        self.calls += 1
+        if mb == 1 and step > 0:
+            self.alive.append(self._previous() is not None)
+        self._previous = weakref.ref(h)
+        for block in self.blocks:
+            h = block(h)
+        return self.criterion(self.head(h), y)
+
+
+def _train_probed():
+    import smdistributed.modelparallel.torch as smp
+
+    torch.set_num_threads(1)
+    # `simple`: microbatch 0 waits for its backward until microbatch 1's forward is over.
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "pipeline": "simple",
+              "active_microbatches": MICROBATCHES, "auto_partition": False,
+              "default_partition": 1})
+    torch.manual_seed(0)
+    module = _Probed()
+    smp.set_partition(module.inp, 0)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    for x, y in _batches():
+        train_step(model, x, y)
+    return module.alive
+
+
+def test_a_microbatch_waiting_for_its_backward_holds_no_chain_input():
+    """A chain's input is what the node of a next call would stand on; once the microbatch's
+    forward is over no call comes, and pp_rank 0 frees it (an activation per chain and
+    microbatch in flight, which a call's node does not keep)."""
+    alive, _ = run_ranks(_train_probed, 2, timeout=120)
+    assert alive == [False] * (STEPS - 1), alive

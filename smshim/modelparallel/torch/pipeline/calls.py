@@ -52,12 +52,17 @@ class _Chain:
     other nodes are not reached, unless glue code or another call used an output of the chain
     after the next call took it (`shared`): then the owner keeps the chain's graphs through each
     backward for the others that may come, until the microbatch is over; the gradients sum up
-    as they would through separate nodes."""
+    as they would through separate nodes.
 
-    __slots__ = ("shared",)
+    `inputs`, the first call's inputs, are what a next call's node stands on; they are dropped
+    when the microbatch's forward is over (no call links to the chain then), so that pp_rank 0
+    holds no activation for a chain while the microbatch waits for its backward."""
 
-    def __init__(self) -> None:
+    __slots__ = ("shared", "inputs")
+
+    def __init__(self, inputs: Tuple[torch.Tensor, ...]) -> None:
         self.shared = False
+        self.inputs: Optional[Tuple[torch.Tensor, ...]] = inputs
 
 
 @dataclass
@@ -75,10 +80,9 @@ class _Call:
     out_template: Any = None
     out_requires_grad: Sequence[bool] = ()
     # pp_rank 0, a chain's call (see `_Chain`): the chain's first call, whose inputs its node
-    # stands on (None: this one), those inputs (until the node's backward), the calls below it,
-    # nearest first ((call id, module)), the chain, and whether its own node may be reached.
+    # stands on (None: this one), the calls below it, nearest first ((call id, module)), the
+    # chain, and whether its own node may be reached.
     first: Optional["_Call"] = None
-    first_inputs: Optional[Tuple[torch.Tensor, ...]] = None
     through: Tuple[Tuple[int, str], ...] = ()
     chain: Optional[_Chain] = None
     reached: bool = False
@@ -194,7 +198,7 @@ class CallerSide:
             call.tensors = tensors
             if self.me == 0:
                 self._link(call, tensors)
-                outputs = list(_apply_remote_call(self, call, self._anchor, *call.first_inputs))
+                outputs = list(_apply_remote_call(self, call, self._anchor, *call.chain.inputs))
             else:
                 outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
         else:
@@ -227,9 +231,9 @@ class CallerSide:
             _used(cell)
         if prev and self.merge_chains and not ctx.in_backward \
                 and (prev.microbatch, prev.step) == (call.microbatch, call.step) \
-                and prev.first_inputs is not None:
+                and prev.chain.inputs is not None:
             call.first = prev.first or prev
-            call.first_inputs, call.chain = prev.first_inputs, prev.chain
+            call.chain = prev.chain
             call.through = ((prev.call_id, prev.module),) + prev.through
             reuse = lambda: self._reused(prev)  # noqa: E731
             for cell in cells:
@@ -239,7 +243,8 @@ class CallerSide:
         else:
             for cell in cells:
                 _used(cell)
-            call.first_inputs, call.chain = tuple(tensors), _Chain()
+            call.chain = _Chain(tuple(tensors))
+            self._open_chains[call.microbatch].append(call.chain)
             self._backwards_to_issue[call.microbatch] += 1  # (one body per microbatch)
 
     def _reused(self, call: _Call) -> None:
@@ -308,7 +313,8 @@ class CallerSide:
         """The node's backward: the gradients of the chain's first call's inputs (`_Chain`),
         which are the call's own unless it is a chain's later call."""
         first = call.first or call
-        call.first_inputs = first.first_inputs = None  # (no call links to the chain any more)
+        if call.chain is not None:
+            call.chain.inputs = None  # (no call links to the chain any more)
         n = len(first.requires)
         sync = self.me != 0
         enc, inline = self._encode(grads, call.owner, call.microbatch, hold=not sync)

@@ -165,6 +165,9 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self._pushers: Dict[int, set] = collections.defaultdict(set)
         # pp_rank 0: calls of a microbatch made with grad whose backward request has not left.
         self._backwards_to_issue: collections.Counter = collections.Counter()
+        # pp_rank 0: the chains a microbatch's calls made (calls.py, `_Chain`), until its forward
+        # is over.
+        self._open_chains: Dict[int, list] = collections.defaultdict(list)
         # pp_rank 0: the step bodies' turns at its own modules.
         self.turns = Turns(timeout_s, lambda: self.transport.check())
         self._expected_microbatches = 0

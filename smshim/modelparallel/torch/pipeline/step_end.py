@@ -41,7 +41,7 @@ class StepEnd:
         self.lock.clear_places()  # (none are left but after a failed step)
         with self._cond:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
-                      self._pushers, self._nested_done):
+                      self._pushers, self._nested_done, self._open_chains):
                 s.clear()
             for c in (self._requests, self._forwards, self._graphs, self._regions_done,
                       self._backwards_to_issue):
@@ -162,6 +162,8 @@ class StepEnd:
         """pp_rank 0: microbatch `mb` will make no more forward calls. The peers it called learn
         it from its first backward request (or MB_DONE); the others are told now, so they can
         take the next microbatch."""
+        for chain in self._open_chains.pop(mb, ()):
+            chain.inputs = None  # (see `_Chain`: no call links to it now)
         with self._cond:
             visited = self._visited.pop(mb, set())
         for peer in self.transport.peers:
