@@ -3,6 +3,7 @@ node in pp_rank 0's autograd graph and one backward request (calls.py, `_Chain`)
 stays the same as in one process when glue code or another call also uses an output inside the
 chain, before or after the next call took it."""
 
+import time
 import weakref
 
 import pytest
@@ -198,6 +199,12 @@ class _Probed(_Chained):
         mb, step = self.calls % MICROBATCHES, self.calls // MICROBATCHES
         self.calls += 1
         if mb == 1 and step > 0:
+            # (Polled a while: a thread that posted the frame carrying it may still be on its
+            # way out. Before microbatch 1's forward is over, microbatch 0's backward cannot
+            # free it.)
+            deadline = time.monotonic() + 2.0
+            while self._previous() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
             self.alive.append(self._previous() is not None)
         self._previous = weakref.ref(h)
         for block in self.blocks:
