@@ -125,9 +125,11 @@ def test_trace_shows_the_schedule(tmp_path, schedule):
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("step") == 1
              and e["cat"] in ("forward", "backward")]
     order = [(e["cat"], e["args"]["microbatch"]) for e in sorted(spans, key=lambda e: e["ts"])]
-    # Rank 1 runs blocks.2 and blocks.3 as requests: one forward and one backward span each per
-    # microbatch.
-    assert sorted(order) == sorted([(c, mb) for c in ("forward", "backward") for mb in range(4)] * 2)
+    # Rank 1 runs blocks.2 and blocks.3 as requests: a forward span each per microbatch, and one
+    # backward span for both (called one after the other, they are a chain: one autograd pass).
+    assert sorted(order) == sorted([("forward", mb) for mb in range(4)] * 2
+                                   + [("backward", mb) for mb in range(4)])
+    assert {e["name"] for e in spans if e["cat"] == "backward"} == {"blocks.3 … blocks.2"}, spans
     kinds = [c for c, _ in order]
     last_fwd = max(i for i, c in enumerate(kinds) if c == "forward")
     first_bwd = kinds.index("backward")

@@ -20,8 +20,11 @@ class _Block(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.lin = nn.Linear(d, d)
+        self.in_place = False  # scales its input in place first (as a block may in one process)
 
     def forward(self, x):
+        if self.in_place:
+            x = x.mul_(1.5)
         return x + torch.tanh(self.lin(x))
 
 
@@ -35,6 +38,9 @@ class _Chained(nn.Module):
         self.blocks = nn.ModuleList([_Block(8) for _ in range(4)])
         self.head = nn.Linear(8, 3)
         self.hooked = 0  # gradients a hook saw
+        if mode == "in_place":  # blocks[1:] change their input, an output of the one before
+            for block in self.blocks[1:]:
+                block.in_place = True
 
     def _hook(self, grad):
         self.hooked += 1
@@ -43,7 +49,7 @@ class _Chained(nn.Module):
         b = self.blocks
         h0 = self.inp(x)
         aux = 0.0
-        if self.mode == "loop":
+        if self.mode in ("loop", "in_place"):
             h = h0
             for block in b:
                 h = block(h)
@@ -122,20 +128,28 @@ def _train(mode: str):
         model.backward(loss)
         return loss
 
+    from smshim.modelparallel.torch.pipeline import serving
+
+    passes = []  # autograd passes on this rank (its owner's backwards)
+    run_backward = serving._run_backward
+    serving._run_backward = lambda *a, **k: (passes.append(1), run_backward(*a, **k))
     kept = []
-    for x, y in _batches():
-        opt.zero_grad()
-        train_step(model, x, y)
-        opt.step()
-        kept.append(len(model._pipeline.server._saved))  # graphs left after the step: none
+    try:
+        for x, y in _batches():
+            opt.zero_grad()
+            train_step(model, x, y)
+            opt.step()
+            kept.append(len(model._pipeline.server._saved))  # graphs left after the step: none
+    finally:
+        serving._run_backward = run_backward
     sent = model._pipeline.transport.sent_messages
-    backward_requests = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else None
+    backward_requests = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else len(passes)
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     return params, kept, backward_requests, module.hooked
 
 
 @pytest.mark.parametrize("mode", ["loop", "read_after", "read_before", "two_calls",
-                                  "hook_before", "read_without_grad"])
+                                  "hook_before", "read_without_grad", "in_place"])
 def test_a_chain_trains_as_one_process_does(mode):
     results = run_ranks(_train, 2, mode, timeout=120)
     want = _reference(mode)
@@ -147,10 +161,13 @@ def test_a_chain_trains_as_one_process_does(mode):
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
     requests = results[0][2]
-    if mode == "loop":
+    if mode in ("loop", "in_place"):
         # Five calls to pp_rank 1 per microbatch (four blocks and the head), one backward
-        # request for them: the chain's.
+        # request for them, the chain's, and one autograd pass on pp_rank 1: the calls took
+        # each other's outputs into one graph there (which is also why a block may change its
+        # input in place, as in one process).
         assert requests == STEPS * MICROBATCHES, requests
+        assert results[1][2] == STEPS * MICROBATCHES, results[1][2]
     elif mode in ("read_before", "hook_before"):
         # The chain starts again at blocks[1], whose input glue had read (or hooked) first.
         assert requests == STEPS * MICROBATCHES * 2, requests

@@ -49,6 +49,8 @@ class _Chain:
     each of them stands on the chain's first call's inputs, so its autograd runs one node (the
     last call's) for the whole chain: its backward request has the owner backpropagate through
     every call down to the first (`through`), and returns the first one's input gradients. The
+    owner runs each later call on the previous one's outputs as they are in its graph (`below`
+    in the forward request): there the chain is one graph, and that backward one pass. The
     other nodes are not reached, unless glue code or another call used an output of the chain
     after the next call took it (`shared`): then the owner keeps the chain's graphs through each
     backward for the others that may come, until the microbatch is over; the gradients sum up
@@ -277,11 +279,14 @@ class CallerSide:
                         self._pushers[call.microbatch].add(call.owner)
                         break
         box = self._new_box(call_id) if reply else None
+        # A chain's later call: the owner runs the module on the previous call's outputs as
+        # they are in its graph, so that the chain's backward is one pass (`_Chain`).
+        below = call.through[0][0] if call.first is not None else None
         try:
             self.transport.send(call.owner, Message(
                 FWD_REQ, call.step, call.microbatch, call_id, call.module,
                 meta=(template_bytes, enc, call.requires, grad_enabled, reply,
-                      pred.expect if pred is not None else None, amp),
+                      pred.expect if pred is not None else None, amp, below),
                 tensors=inline), hold=reply is None)
             if box is not None:
                 msg = self._wait_reply(box, call.owner, call.what("forward"))

@@ -67,6 +67,22 @@ def _links(enc: list, src: int, me: int) -> List[tuple]:
             and e[1][2] == "out"]
 
 
+def _join(inputs: List[torch.Tensor], saved: Optional[tuple], links: List[tuple],
+          below: int) -> Optional[int]:
+    """Put in `inputs` call `below`'s outputs that they are values of (`links`), as they are in
+    its graph (`saved`), for those that need a gradient; returns `below` if any was, else None.
+    One autograd graph then spans the two calls, as it would in one process."""
+    if saved is None:
+        return None
+    outs = saved[1]
+    joined = None
+    for i, cid, j in links:
+        if cid == below and inputs[i].requires_grad and outs[j].requires_grad:
+            inputs[i] = outs[j]
+            joined = below
+    return joined
+
+
 def _pairs(outs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> List[tuple]:
     """The outputs a gradient came for, with it."""
     return [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -240,7 +256,7 @@ class OwnerSide:
 
 
     def _serve_forward(self, msg: Message) -> None:
-        template_bytes, enc, requires, grad_enabled, reply, expect, amp = msg.meta
+        template_bytes, enc, requires, grad_enabled, reply, expect, amp, below = msg.meta
         if msg.src == 0:
             self._admit(msg.microbatch, msg.step)
         what = lambda: f"an input of the {self._what(msg, 'forward')}"  # noqa: E731  (on error)
@@ -270,7 +286,8 @@ class OwnerSide:
         self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver,
                               place=getattr(msg, "place", None), amp=amp,
-                              links=_links(enc, msg.src, self.me) if msg.src == 0 else ())
+                              links=_links(enc, msg.src, self.me) if msg.src == 0 else (),
+                              below=below if msg.src == 0 else None)
         self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
@@ -321,16 +338,21 @@ class OwnerSide:
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
                          place: Optional[tuple] = None, amp: autocast_state.State = None,
-                         links=()):
+                         links=(), below: Optional[int] = None):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
         results on their way to another rank leave before the next module here starts. `place`:
         the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
         the caller's autocast state. `links`: which inputs are outputs of earlier calls here
-        (`_links`), kept with the graph."""
+        (`_links`), kept with the graph. `below`: the call before this one in its chain
+        (calls.py, `_Chain`), whose outputs this one takes as they are in its graph: the
+        chain's graphs are one, and its backward one pass of autograd (`_execute_backward`)."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
+        if below is not None:
+            below = _join(inputs, self._saved.get((caller, below)), links, below) \
+                if grad_enabled else None
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
                             lambda: self._more_regions(FORWARD, mb), place) as hold:
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
@@ -350,7 +372,7 @@ class OwnerSide:
             if any(out_rg):
                 with self._cond:
                     self._forward_microbatches.add(mb)
-                    self._saved[(caller, call_id)] = (inputs, outs, mb, links)
+                    self._saved[(caller, call_id)] = (inputs, outs, mb, links, below)
                     if caller == 0:  # (a nested call's graph lives until the step's end)
                         self._graphs[mb] += 1
                         if self._graphs[mb] == 1:
@@ -383,15 +405,18 @@ class OwnerSide:
                 return []
             self._backwards_running += 1
         try:
-            inputs, outs, _, links = saved
+            inputs, outs, _, links, joined = saved
             pairs = _pairs(outs, grads)
             with (self.lock.hold(self._priority(BACKWARD, mb), (BACKWARD, mb),
                                  lambda: self._more_regions(BACKWARD, mb), place)
                   if pairs else contextlib.nullcontext()) as hold:
-                self._backprop(pairs, name, caller, step, mb, retain)
+                self._backprop(pairs, self._joined_name(name, caller, joined, through)
+                               if joined is not None and self.timeline.enabled else name,
+                               caller, step, mb, retain)
                 for below, below_name in through:
-                    inputs, links = self._backward_below(caller, below, below_name, step, mb,
-                                                         inputs, links, retain)
+                    inputs, links, joined = self._backward_below(
+                        caller, below, below_name, step, mb, inputs, links, retain,
+                        joined == below)
                 in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
                             if t.requires_grad else None for t in inputs]
                 if retain:
@@ -425,9 +450,11 @@ class OwnerSide:
 
     def _backward_below(self, caller: int, call_id: int, name: str, step: int, mb: int,
                         above_inputs: List[torch.Tensor], above_links: List[tuple],
-                        retain: bool) -> tuple:
+                        retain: bool, joined: bool) -> tuple:
         """(In a chain's backward, the lock held.) Backward through the graph of the chain's
-        call below the one whose inputs are `above_inputs`; returns its inputs and links."""
+        call below the one whose inputs are `above_inputs`; returns its inputs, links and the
+        call it is joined to. `joined`: the call above took this one's outputs into its graph
+        (`_join`), and the backward above went through it already."""
         with self._cond:
             saved = self._graph_locked((caller, call_id), retain)
             if saved is not None and caller == 0 and not retain:
@@ -437,10 +464,24 @@ class OwnerSide:
                 f"pp rank {self.me} has no graph for the forward of module '{name}' (microbatch "
                 f"{mb}, step {step}) to backpropagate through, in the backward of the calls "
                 f"that followed it")
-        inputs, outs, _, links = saved
-        grads = _grads_below(above_inputs, above_links, call_id, len(outs))
-        self._backprop(_pairs(outs, grads), name, caller, step, mb, retain)
-        return inputs, links
+        inputs, outs, _, links, below = saved
+        if not joined:
+            grads = _grads_below(above_inputs, above_links, call_id, len(outs))
+            self._backprop(_pairs(outs, grads), name, caller, step, mb, retain)
+        return inputs, links, below
+
+
+    def _joined_name(self, name: str, caller: int, joined: int, through: tuple) -> str:
+        """The timeline's name for a backward from module `name` that goes on through the
+        calls below it joined to it (`_join`): "name … the lowest of them"."""
+        lowest = name
+        for below, below_name in through:
+            if joined != below:
+                break
+            lowest = below_name
+            saved = self._saved.get((caller, below))
+            joined = saved[4] if saved is not None else None
+        return f"{name} … {lowest}"
 
 
     def _graph_locked(self, key: tuple, retain: bool) -> Optional[tuple]:
