@@ -397,6 +397,71 @@ def test_a_body_whose_forward_waited_sends_its_backward_while_another_computes(t
     assert overlapped >= 4, overlapped
 
 
+class _Stamp(torch.autograd.Function):
+    """Notes when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log.append(time.perf_counter())
+        return g, None
+
+
+class _GlueAfterCall(nn.Module):
+    """pp_rank 0 computes 50 ms (`first`), calls `second` on pp_rank 1, then its forward code
+    goes on for 100 ms without reading what came back (logging, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+        self.backwards: list = []  # when `first`'s backward ran, on pp_rank 0
+        self.glue: list = []  # (start, end) of the forward code after the call
+
+    def forward(self, x):
+        time.sleep(0.05)
+        h = _Stamp.apply(self.first(x), self.backwards)
+        out = self.second(h)
+        start = time.perf_counter()
+        time.sleep(0.1)
+        self.glue.append((start, time.perf_counter()))
+        return out.sum()
+
+
+def _glue_after_call(steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved",
+              "auto_partition": False, "default_partition": 0})
+    module = _GlueAfterCall()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.second, 1)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(steps):
+        train_step(model, torch.randn(8, 4))
+    return module.backwards, module.glue
+
+
+def test_a_body_gives_the_compute_lock_to_a_waiting_backward_at_a_call_to_another_rank():
+    """Once pp_rank 0's step body calls a module on another rank, its own modules have run; the
+    backward of an earlier microbatch whose gradient has come computes from then on, not after
+    the rest of the body's forward code (at p = 8 on sleep stages: issuing the calls to 7
+    stages, 2-4 ms a microbatch on a slow machine)."""
+    backwards, glue = run_ranks(_glue_after_call, 2, 2, timeout=120)[0]
+    during = sum(any(start < t < end for start, end in glue) for t in backwards)
+    assert during >= 2, (during, backwards, glue)
+
+
 def _thread_placement(steps):
     """The scheduling class and the cores of every thread of the rank while its pipeline runs,
     and of the caller's thread before and once smp.reset() closed the pipeline."""

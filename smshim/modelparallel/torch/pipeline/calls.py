@@ -196,6 +196,9 @@ class CallerSide:
             leaf_in.append(t.grad_fn is None)
         call = _Call(owner, name, ctx.step, ctx.microbatch, template, in_meta, requires,
                      remote_in, leaf_in)
+        if ctx.driver and not ctx.forward_done and not self.deterministic \
+                and self.lock.held() and self.lock.waited_for():
+            self._step_aside()
         if grad:
             call.tensors = tensors
             if self.me == 0:
@@ -466,6 +469,18 @@ class CallerSide:
             self.turns.forward_over(ctx.microbatch)
             return False
         return True
+
+
+    def _step_aside(self) -> None:
+        """A step body in its forward calls a module on another rank while other work waits
+        for the compute lock it holds (the backward of an earlier microbatch, whose gradient
+        came). Its own modules have run: its forward turn is over and it gives the lock up, as
+        when it waits for a peer, and issues the rest of its calls without it. Holding it would
+        keep this rank's device idle for as long as issuing them takes, which on a rank that
+        drives many stages is milliseconds per microbatch (docs/benchmarks.md)."""
+        self.transport.flush()  # (what it held leaves before the other work computes)
+        self.turns.forward_over(ctx.microbatch)
+        self.lock.give_up_held()
 
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:

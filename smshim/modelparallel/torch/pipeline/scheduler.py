@@ -322,6 +322,16 @@ class ComputeLock:
             return bool((self._waiters and self._waiters[0][0] <= priority)
                         or (self._places and self._places[0][0] < priority))
 
+    def waited_for(self) -> bool:
+        """(Its holder.) Does other work of the holder's priority or before wait for the lock?"""
+        return self.contested(self._local.priority)
+
+    def give_up_held(self) -> None:
+        """(Its holder.) Give the lock up until this thread takes it again (`take`)."""
+        if self.on_give_up is not None:
+            self.on_give_up()
+        self.release()
+
     def hold(self, priority: Tuple[int, int], key: Optional[tuple] = None,
              more: Optional[Callable[[], bool]] = None,
              place: Optional[tuple] = None) -> ContextManager[None]:
@@ -338,9 +348,7 @@ class ComputeLock:
             yield
             return
         priority, key, trace = self._local.priority, self._local.key, self._local.trace
-        if self.on_give_up is not None:
-            self.on_give_up()
-        self.release()
+        self.give_up_held()
         try:
             yield
         finally:
