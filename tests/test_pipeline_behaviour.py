@@ -285,6 +285,18 @@ def test_the_gradient_from_a_microbatch_s_last_call_comes_as_a_value():
             assert dispatches == 0, dispatches
 
 
+def _train_root_loss(smp, model, steps: int, shape: tuple) -> None:
+    """`steps` steps of a model whose root module returns the loss, on random inputs."""
+    @smp.step
+    def train_step(model, x):
+        loss = model(x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(steps):
+        train_step(model, torch.randn(*shape))
+
+
 class _Branch(nn.Module):
     def __init__(self):
         super().__init__()
@@ -317,15 +329,7 @@ def _fan(steps):
     model = smp.DistributedModel(module)
     smp.set_partition(module.a, 1)
     smp.set_partition(module.b, 2)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x)
-        model.backward(loss)
-        return loss
-
-    for _ in range(steps):
-        train_step(model, torch.randn(4, 4))
+    _train_root_loss(smp, model, steps, (4, 4))
     return smp.pp_rank()
 
 
@@ -441,15 +445,7 @@ def _glue_after_call(steps):
     module = _GlueAfterCall()
     model = smp.DistributedModel(module)
     smp.set_partition(module.second, 1)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x)
-        model.backward(loss)
-        return loss
-
-    for _ in range(steps):
-        train_step(model, torch.randn(8, 4))
+    _train_root_loss(smp, model, steps, (8, 4))
     return module.backwards, module.glue
 
 
