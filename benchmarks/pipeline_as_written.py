@@ -179,6 +179,12 @@ def _torch_setup(p: int, m: int, schedule: str, rank: int, d: int = D):
     return step
 
 
+def pin_rank_to_core() -> None:
+    """`--pin`: this process (rank r) on core r mod (the cores it may use)."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
+
+
 def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int,
              d: int = D, batch: int = BATCH, pin: bool = False, same_scheduling: bool = False):
     import resource
@@ -186,8 +192,7 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     import torch.distributed as dist
 
     if pin:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
+        pin_rank_to_core()
     smp, model, ours = _smshim_setup(p, m, schedule, partition, d)  # brings up the default group
     rank = dist.get_rank()
     systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank, d),

@@ -75,8 +75,7 @@ def _measure(steps: int, d: int, m: int, batch: int, warmup: int = 5) -> dict:
 
     import pipeline_as_written as written
 
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
+    written.pin_rank_to_core()
     torch.set_num_threads(1)
     acc: Dict[str, int] = collections.Counter()
     for label, module, cls, name in _PARTS:

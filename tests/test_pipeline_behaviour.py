@@ -169,9 +169,9 @@ def _tiny_blocks(steps):
 def test_a_body_s_requests_leave_before_another_microbatch_s_backward_runs(tmp_path):
     """pp_rank 0's step body keeps the compute lock from its forward until the requests it then
     issues to stage 1 have left (unless a backward already waits for the lock when it makes its
-    first call there: see the test after the next ones; not on this model). Otherwise the backward of the microbatch before takes the lock
-    and the core, and stage 1 idles while the requests wait (on one core per rank: every other
-    microbatch, 0.5-1 ms each)."""
+    first call there: see the test after the next ones; not on this model). Otherwise the
+    backward of the microbatch before takes the lock and the core, and stage 1 idles while the
+    requests wait (on one core per rank: every other microbatch, 0.5-1 ms each)."""
     run_ranks(_tiny_blocks, 2, 3, timeout=120, env={"SMSHIM_TRACE": str(tmp_path)})
     with open(tmp_path / "trace_rank0.json") as f:
         events = [e for e in json.load(f)["traceEvents"]

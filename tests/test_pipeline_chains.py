@@ -143,9 +143,10 @@ def _train(mode: str):
     finally:
         serving._run_backward = run_backward
     sent = model._pipeline.transport.sent_messages
-    backward_requests = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else len(passes)
+    # pp_rank 0: the backward requests it sent; pp_rank 1: the autograd passes it ran.
+    backwards = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else len(passes)
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    return params, kept, backward_requests, module.hooked
+    return params, kept, backwards, module.hooked
 
 
 @pytest.mark.parametrize("mode", ["loop", "read_after", "read_before", "two_calls",
@@ -160,14 +161,14 @@ def test_a_chain_trains_as_one_process_does(mode):
     assert got.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    requests = results[0][2]
+    requests, passes = results[0][2], results[1][2]
     if mode in ("loop", "in_place"):
         # Five calls to pp_rank 1 per microbatch (four blocks and the head), one backward
         # request for them, the chain's, and one autograd pass on pp_rank 1: the calls took
         # each other's outputs into one graph there (which is also why a block may change its
         # input in place, as in one process).
         assert requests == STEPS * MICROBATCHES, requests
-        assert results[1][2] == STEPS * MICROBATCHES, results[1][2]
+        assert passes == STEPS * MICROBATCHES, passes
     elif mode in ("read_before", "hook_before"):
         # The chain starts again at blocks[1], whose input glue had read (or hooked) first.
         assert requests == STEPS * MICROBATCHES * 2, requests
