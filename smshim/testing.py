@@ -12,7 +12,8 @@ this interpreter (`find_executable`), so an unactivated venv's mpirun is found.
 
 Processes come from a forkserver that has already imported torch (and torch._dynamo, which the
 first optimizer step would import), so each costs a fork instead of a fresh interpreter plus
-torch import (and no parent OpenMP state is inherited through fork).
+torch import (and no parent OpenMP state is inherited through fork). `preload(*modules)`, called
+before the first `run_ranks`, has it import more (the tests' conftest.py: Hugging Face's models).
 """
 
 from __future__ import annotations
@@ -34,20 +35,31 @@ from smshim.runtime.launch import free_port, teardown
 DEFAULT_TIMEOUT_S = 120.0
 
 _ctx = None
+# What the forkserver imports before it forks the first rank (see `preload`). torch._dynamo is
+# imported by the first optimizer step and costs seconds per process. Not smshim's modules: some
+# tests check what their import does in a fresh rank.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim"]
 
 
 class RankFailure(AssertionError):
     """A rank raised, died or did not finish in time; the message holds its traceback."""
 
 
+def preload(*modules: str) -> None:
+    """Start every rank of `run_ranks` with `modules` imported: the forkserver imports them once,
+    instead of each rank on its own (a Hugging Face model's module costs a rank seconds of CPU).
+    Call it before the first `run_ranks`. A module that is not installed is left out."""
+    if _ctx is not None:
+        raise RuntimeError(f"smshim.testing.preload{modules}: call it before the first run_ranks "
+                           "(the process that forks the ranks has started with what it had)")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        # torch._dynamo is imported by the first optimizer step and costs seconds per process:
-        # import it once, in the server. (Not smshim's modules: some tests check what their import
-        # does in a fresh rank.)
-        _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim"])
+        _ctx.set_forkserver_preload(list(_PRELOAD))  # (one that fails to import is skipped)
     return _ctx
 
 

@@ -16,6 +16,14 @@ if "XDG_CONFIG_HOME" not in os.environ:
     os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
 os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
+# The Hugging Face models the tests build: imported once, by the process that forks the ranks of
+# `run_ranks`, instead of by every rank (~2.5 s of CPU each on a slow core; a fifth of the suite's
+# time). Skipped where transformers is not installed.
+from smshim.testing import preload  # noqa: E402
+
+preload("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+        "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.models.bert.modeling_bert")
+
 # ---- `-m "not slow"`: the quick part of the suite (single- and 2-process tests) ------------------
 # Slow: tests that start more than 2 processes, a launcher (mpirun, torchrun, `smshim run`), an
 # example script, or a sweep. A test whose own code calls `run_ranks(fn, N, ...)` with a literal

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from smshim.testing import RankFailure, run_command, run_ranks
+import smshim.testing
+from smshim.testing import RankFailure, preload, run_command, run_ranks
 
 
 def _returns_rank():
@@ -80,3 +81,23 @@ def test_run_command_timeout_kills_the_group():
     with pytest.raises(RankFailure, match="did not finish within 2 s"):
         run_command(["bash", "-c", "sleep 100 & sleep 100"], timeout=2)
     assert time.monotonic() - t0 < 10
+
+
+def _imported(name):
+    import sys
+
+    return name in sys.modules
+
+
+def test_a_preloaded_module_is_imported_when_a_rank_starts():
+    # conftest.py preloads Hugging Face's GPT-2 model; json.tool is imported by nothing else.
+    pytest.importorskip("transformers")
+    assert run_ranks(_imported, 2, "transformers.models.gpt2.modeling_gpt2") == [True, True]
+    assert run_ranks(_imported, 1, "json.tool") == [False]
+
+
+def test_preload_after_the_first_run_ranks_says_so():
+    run_ranks(_returns_rank, 1)
+    with pytest.raises(RuntimeError, match="before the first run_ranks"):
+        preload("json.tool")
+    assert "json.tool" not in smshim.testing._PRELOAD
