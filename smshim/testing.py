@@ -50,7 +50,8 @@ def preload(*modules: str) -> None:
     instead of each rank on its own (a Hugging Face model's module costs a rank seconds of CPU).
     Call it before the first `run_ranks`. A module that is not installed is left out."""
     if _ctx is not None:
-        raise RuntimeError(f"smshim.testing.preload{modules}: call it before the first run_ranks "
+        names = ", ".join(map(repr, modules))
+        raise RuntimeError(f"smshim.testing.preload({names}): call it before the first run_ranks "
                            "(the process that forks the ranks has started with what it had)")
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
