@@ -478,6 +478,8 @@ class CallerSide:
         when it waits for a peer, and issues the rest of its calls without it. Holding it would
         keep this rank's device idle for as long as issuing them takes, which on a rank that
         drives many stages is milliseconds per microbatch (docs/benchmarks.md)."""
+        if self.timeline.enabled:
+            self.timeline.instant("step aside", "lock", microbatch=ctx.microbatch, step=ctx.step)
         self.transport.flush()  # (what it held leaves before the other work computes)
         self.turns.forward_over(ctx.microbatch)
         self.lock.give_up_held()
