@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # The tests' models are tiny, and by default weights that small keep autograd's path (the fused
 # weight gradients, weight_grad.py, pay off on large weights only). The tests fuse every weight,
 # so that the fused path is exercised together with every feature; test_weight_grad.py checks
@@ -24,14 +26,33 @@ from smshim.testing import preload  # noqa: E402
 preload("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
         "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.models.bert.modeling_bert")
 
+# ---- `-n auto` (pytest-xdist): how many test workers ----------------------------------------------
+# One serial run keeps 2 cores only ~75 % busy (launchers, rendezvous, deliberate timeouts), so the
+# README's command runs the suite on workers. One per core, but at most one per 4 GiB of memory
+# (a worker's 8-rank test holds ~4 GiB) and at most 8. `-n 0` runs the tests one at a time.
+_GIB_PER_WORKER = 4
+_MAX_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = _GIB_PER_WORKER * _MAX_WORKERS
+    return max(1, min(cpus, int(mem_gib // _GIB_PER_WORKER), _MAX_WORKERS))
+
+
 # ---- `-m "not slow"`: the quick part of the suite (single- and 2-process tests) ------------------
 # Slow: tests that start more than 2 processes, a launcher (mpirun, torchrun, `smshim run`), an
 # example script, or a sweep. A test whose own code calls `run_ranks(fn, N, ...)` with a literal
 # N > 2 is found by itself; other such tests belong in one of the lists below.
 import inspect  # noqa: E402
 import re  # noqa: E402
-
-import pytest  # noqa: E402
 
 SLOW_MODULES = {
     "test_examples.py", "test_restart.py", "test_gpt2_aws_style.py", "test_mpi_flavours.py",

@@ -101,3 +101,14 @@ def test_preload_after_the_first_run_ranks_says_so():
     with pytest.raises(RuntimeError, match="before the first run_ranks"):
         preload("json.tool")
     assert "json.tool" not in smshim.testing._PRELOAD
+
+
+@pytest.mark.parametrize("cpus, mem_gib, workers", [(2, 24, 2), (64, 24, 6), (64, 512, 8), (4, 3, 1)])
+def test_auto_workers_are_capped_by_cores_memory_and_eight(monkeypatch, cpus, mem_gib, workers):
+    from tests import conftest
+
+    page = 4096
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE"
+                        else mem_gib * 2**30 // page)
+    assert conftest.pytest_xdist_auto_num_workers(None) == workers
