@@ -14,10 +14,13 @@ Processes come from a forkserver that has already imported torch (and torch._dyn
 first optimizer step would import), so each costs a fork instead of a fresh interpreter plus
 torch import (and no parent OpenMP state is inherited through fork). `preload(*modules)`, called
 before the first `run_ranks`, has it import more (the tests' conftest.py: Hugging Face's models).
+Each rank hands what it inherited to the garbage collector's permanent generation (`gc.freeze`),
+so that a full collection does not walk, and copy, the forkserver's heap.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -65,6 +68,10 @@ def _context():
 
 
 def _child(fn: Callable, args: tuple, rank: int, env: Dict[str, str], results) -> None:
+    # What the forkserver imported (torch, Hugging Face models: millions of objects) is never
+    # garbage here. Frozen, a full collection (smp's exit teardown runs one) skips it instead of
+    # walking it and copying every page it touches: ~0.2 s of CPU per rank, a tenth of the suite.
+    gc.freeze()
     os.environ.update(env)
     try:
         import torch

@@ -96,6 +96,35 @@ def test_a_preloaded_module_is_imported_when_a_rank_starts():
     assert run_ranks(_imported, 1, "json.tool") == [False]
 
 
+def _inherited_frozen_and_own_garbage_collected():
+    import gc
+    import weakref
+
+    import torch
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.peer, b.peer = b, a  # a reference cycle: only the collector frees it
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    # torch's modules (imported by the forkserver, before the fork) are among the frozen objects.
+    return frozen, gone() is None, any(o is torch.nn.Module for o in gc.get_objects())
+
+
+def test_a_rank_freezes_what_it_inherited_and_collects_its_own_garbage():
+    # Each rank hands the forkserver's objects (torch, Hugging Face's models: millions) to the
+    # collector's permanent generation, so smp's exit teardown's full collection does not walk and
+    # copy them (~0.2 s of CPU per rank); what the rank makes itself is still collected.
+    frozen, collected, torch_tracked = run_ranks(_inherited_frozen_and_own_garbage_collected, 1)[0]
+    assert frozen > 100_000, frozen
+    assert collected
+    assert not torch_tracked  # gc.get_objects() leaves out the permanent generation
+
+
 def test_preload_after_the_first_run_ranks_says_so():
     run_ranks(_returns_rank, 1)
     with pytest.raises(RuntimeError, match="before the first run_ranks"):
