@@ -150,9 +150,9 @@ def _teardown_at_exit() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return  # no process group: nothing to tear down (and nothing to import for it)
-    from smshim.runtime.launch import teardown
+    from smshim.runtime.launch import teardown_at_exit
 
-    teardown()
+    teardown_at_exit()
 
 
 def _env_on(name: str) -> bool:

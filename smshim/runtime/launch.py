@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import io
 import json
 import logging
 import os
@@ -296,7 +297,36 @@ def teardown() -> None:
             logger.debug("destroy_process_group at exit failed", exc_info=True)
 
 
-atexit.register(teardown)
+_WRITABLE_FILES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+
+
+def _settle_for_exit() -> None:
+    """Spare the interpreter's finalization its garbage passes: each walks every object left (with
+    torch, torch._dynamo and a Hugging Face model imported, half a million), and together they cost
+    a rank 1-1.5 s of CPU after the script has finished. The teardown has just collected the
+    garbage there is; what is still alive is frozen (`gc.freeze`), so later passes skip it.
+
+    Freezing changes one thing: an object that finalization would have freed as part of a
+    reference cycle is left to the OS instead. Python does not promise to finalize such objects
+    at exit; a file among them would lose its buffered writes, so open files are flushed first."""
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter asks lazy proxies for their __class__.
+        if issubclass(type(obj), _WRITABLE_FILES):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001  (a broken pipe or a detached buffer: exiting anyway)
+                pass
+    gc.freeze()
+
+
+def teardown_at_exit() -> None:
+    """The atexit handler: `teardown`, then `_settle_for_exit`."""
+    teardown()
+    _settle_for_exit()
+
+
+atexit.register(teardown_at_exit)
 
 
 def loopback_interface() -> Optional[str]:
