@@ -162,3 +162,27 @@ def test_max_restarts_reaches_the_elastic_agent(monkeypatch):
 def test_negative_max_restarts_is_an_error(tmp_path):
     r = _launch(tmp_path, "-n", "2", "--max-restarts", "-1", DUMP, check=False)
     assert r.returncode == 2 and "--max-restarts must be >= 0" in r.stderr
+
+
+def test_the_stderr_tailer_holds_back_a_traceback_written_in_pieces(tmp_path):
+    # The tailer copies a worker's stderr.log to the terminal without tracebacks. A line read
+    # while it was still being written (Python prints a caret line in pieces) must not end the
+    # traceback early: the tail of the carets would pass for the exception line, and the rest of
+    # the traceback would reach the terminal.
+    import io
+    import threading
+
+    from smshim.launcher.worker_logs import _Tail
+
+    log, out, done = tmp_path / "stderr.log", io.StringIO(), threading.Event()
+    with open(log, "w") as w:
+        w.write('Traceback (most recent call last):\n  File "x.py", line 4, in <module>\n'
+                '    f(a,\n      ^^^^')
+        w.flush()
+        tail = _Tail(str(log), out, done)
+        time.sleep(0.5)  # the tailer polls every 0.1 s: it reads the unfinished caret line
+        w.write('^^^^\n  File "y.py", line 9, in f\n    raise ValueError("boom")\n'
+                'ValueError: boom\nafter the traceback\nno newline yet')
+    done.set()
+    tail.thread.join(timeout=10)
+    assert out.getvalue() == "after the traceback\nno newline yet"

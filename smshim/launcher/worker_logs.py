@@ -59,16 +59,28 @@ class _Tail:
                 if not os.path.exists(self._path):
                     return
         with open(self._path, errors="replace") as f:
+            partial = ""
             while True:
-                line = f.readline()
-                if line:
-                    if self._keep(line):
-                        self._dst.write(line)
-                        self._dst.flush()
+                got = f.readline()
+                if got.endswith("\n"):
+                    line, partial = partial + got, ""
+                    self._copy(line)
+                elif got:
+                    # A line still being written (a traceback's caret line comes in pieces): its
+                    # tail alone would look like the exception line that ends a traceback.
+                    partial += got
+                    self._done.wait(0.02)
                 elif self._done.is_set():
+                    if partial:
+                        self._copy(partial)
                     return
                 else:
                     self._done.wait(0.1)
+
+    def _copy(self, line: str) -> None:
+        if self._keep(line):
+            self._dst.write(line)
+            self._dst.flush()
 
 
 class WorkerExits(logging.Filter):
