@@ -116,7 +116,7 @@ def _inherited_frozen_and_own_garbage_collected():
 
 
 def test_a_rank_freezes_what_it_inherited_and_collects_its_own_garbage():
-    # Each rank hands the forkserver's objects (torch, Hugging Face's models: millions) to the
+    # Each rank hands the forkserver's objects (torch, Hugging Face's models: ~300,000) to the
     # collector's permanent generation, so smp's exit teardown's full collection does not walk and
     # copy them (~0.2 s of CPU per rank); what the rank makes itself is still collected.
     frozen, collected, torch_tracked = run_ranks(_inherited_frozen_and_own_garbage_collected, 1)[0]
