@@ -70,7 +70,7 @@ def _context():
 def _child(fn: Callable, args: tuple, rank: int, env: Dict[str, str], results) -> None:
     # What the forkserver imported (torch, Hugging Face's models: some 300,000 objects) is never
     # garbage here. Frozen, a full collection (smp's exit teardown runs one) skips it instead of
-    # walking it and copying every page it touches: ~0.2 s of CPU per rank, a tenth of the suite.
+    # walking it and copying every page it touches (~0.2 s of CPU per rank).
     gc.freeze()
     os.environ.update(env)
     try:

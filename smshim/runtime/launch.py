@@ -301,7 +301,7 @@ def teardown() -> None:
 _WRITABLE_FILES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
-def _flush_if_on_a_regular_file(f) -> None:  # noqa: ANN001  (one of _WRITABLE_FILES)
+def _flush_if_on_a_regular_file(f: io.IOBase) -> None:
     """Flush `f` if it writes to a regular file. Not a pipe or a socket: a daemon thread may be
     blocked writing to one, holding its lock, and the exit would wait for it (finalization would
     not have touched a file that a live thread's frame still holds)."""
