@@ -7,6 +7,7 @@ checkpoints are HF checkpoints / reshardable."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -271,32 +272,73 @@ def test_load_state_dict_from_rank0_equals_every_rank_loading():
         torch.testing.assert_close(a["logits"], b["logits"], atol=0, rtol=0)
 
 
-def _train_replicas_then_save_per_tp(path):
-    """TP2 x shard 2 x 2 replicas: train; then AWS's per-TP-rank save from replica 0, which
-    cannot hold the FSDP1 HSDP shards torch places on the replica dim: refused, not written."""
+def _sharded_model_and_optimizer(model, opt):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, opt)}
+
+
+def _one_more_step(tsm, model, opt, x):
+    from torch.sagemaker.grad_norm import clip_grad_norm_
+
+    opt.zero_grad()
+    xl = _local_batch(tsm, x)
+    model(input_ids=xl, labels=xl).loss.backward()
+    clip_grad_norm_(model, CLIP)
+    opt.step()
+    return _full_sd(model, rank0_only=False)
+
+
+def _train_replicas_save_per_tp_and_resume(path):
+    """TP2 x shard 2 x 2 replicas: train; then AWS's v2 checkpoint flow: the ranks of replica 0
+    save model and optimizer per TP rank (`tp{tp_rank}`) over `model.process_group`; one more
+    step. A new model (other weights) on every rank then loads its TP rank's directory over its
+    own sharding group, model and optimizer, and takes the same step."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
+    from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
     from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
 
     tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    # After tsm.init, as scripts do: it gives this function SMP's `process_group` argument.
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
     model = _build(tsm, "llama", "HYBRID_SHARD")
-    out = _train_loop(tsm, model)
+    out = _train_loop(tsm, model)  # its own optimizer, not returned: a second one carries on
     out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        sd = {"model": model.state_dict()}
+    opt = tsm_models.optimizer(model)
+    x1, x2 = tsm_models.batches(2, seed=9)
+    _one_more_step(tsm, model, opt, x1)  # the optimizer has state to save
+    own = f"{path}/tp{tsm.state.tp_rank}"
+    coordinator = min(dist.get_process_group_ranks(model.process_group))
+    sd = _sharded_model_and_optimizer(model, opt)
     if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
-        try:
-            save(sd, checkpoint_id=f"{path}/tp{tsm.state.tp_rank}", process_group=model.process_group,
-                 coordinator_rank=min(dist.get_process_group_ranks(model.process_group)))
-            out["refused"] = None
-        except ValueError as e:
-            out["refused"] = str(e)
+        save(sd, checkpoint_id=own, process_group=model.process_group, coordinator_rank=coordinator)
+    dist.barrier()
+    out["continued"] = _one_more_step(tsm, model, opt, x2)
+
+    again = _build(tsm, "llama", "HYBRID_SHARD", seed=42)
+    opt2 = tsm_models.optimizer(again)
+    with FSDP.state_dict_type(again, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": again.state_dict()}
+        load(sd, checkpoint_id=own, process_group=again.process_group,
+             coordinator_rank=coordinator)
+        again.load_state_dict(sd["model"])
+        optim = load_sharded_optimizer_state_dict(
+            model_state_dict=sd["model"], optimizer_key="optimizer",
+            storage_reader=DistributedFileSystemReader(own), process_group=again.process_group)
+        opt2.load_state_dict(FSDP.optim_state_dict_to_load(again, opt2, optim["optimizer"]))
+    out["resumed"] = _one_more_step(tsm, again, opt2, x2)
     return out
 
 
-def test_llama_tp2_shard2_two_replicas(tmp_path):
-    results = run_ranks(_train_replicas_then_save_per_tp, 8, str(tmp_path), timeout=420)
+def test_llama_tp2_shard2_two_replicas_save_per_tp_rank_and_resume(tmp_path):
+    results = run_ranks(_train_replicas_save_per_tp_and_resume, 8, str(tmp_path), timeout=420)
     _check_equal(results, "llama")
     assert results[0]["groups"] == [0, 2] and results[5]["groups"] == [5, 7]
-    for r in results[:4]:
-        assert r["refused"] and "save and load over the world group" in r["refused"]
+    assert sorted(os.listdir(tmp_path)) == ["tp0", "tp1"]
+    for rank, r in enumerate(results):
+        assert tsm_models.max_diff(r["resumed"], r["continued"]) == 0.0, rank
+        assert tsm_models.max_diff(r["continued"], results[0]["continued"]) == 0.0, rank

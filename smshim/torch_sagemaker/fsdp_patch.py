@@ -18,7 +18,9 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
      mesh: stock FSDP derives the node size from the accelerator count, which is 0 on a CPU host.
    * a model holding DTensors (tsm.transform's TP shards) gets the same sharding as a
      `device_mesh` slice of tsm.state's mesh instead of groups (FSDP1's TP path needs one); NO_SHARD
-     or a 1-rank group is refused there (FSDP1 would swap the parameters at every unshard).
+     or a 1-rank group is refused there (FSDP1 would swap the parameters at every unshard). Its
+     sharded state dicts split the tensors TP leaves whole inside each replica
+     (fsdp_shard_layout.py), so that replica 0 alone can save per TP rank, as AWS's scripts do.
    * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
      replica's shard x EP ranks (the EP ranks are data-parallel ranks).
 2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: a
@@ -50,6 +52,7 @@ from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
 from torch.distributed.fsdp import (FullStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
+from smshim.torch_sagemaker.fsdp_shard_layout import keep_shards_inside_each_replica
 from smshim.torch_sagemaker.state_handler import state
 
 logger = logging.getLogger(__name__)
@@ -203,6 +206,7 @@ def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any
 
 def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     kwargs.update(zip(_FSDP_PARAMS, args))
+    on_tp_mesh = False
     if state.initialized:
         kwargs["device_id"] = _device_id(kwargs.get("device_id"))
         if kwargs.get("process_group") is None and kwargs.get("device_mesh") is None:
@@ -210,6 +214,7 @@ def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
                 kwargs.update(_expert_parallel_args(module, kwargs))
             elif _holds_dtensors(module, kwargs.get("ignored_modules") or []):
                 kwargs.update(_tensor_parallel_args(kwargs.get("sharding_strategy")))
+                on_tp_mesh = True
             else:
                 kwargs.update(_groups_for(kwargs.get("sharding_strategy")))
             root = True
@@ -221,6 +226,8 @@ def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     else:
         root = False
     _originals["FSDP.__init__"](self, module, **kwargs)
+    if on_tp_mesh:
+        keep_shards_inside_each_replica(self)
     if root and _transformed(module):
         self._register_state_dict_hook(_translate_full_state_dict)
 

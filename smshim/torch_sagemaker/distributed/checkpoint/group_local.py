@@ -39,8 +39,8 @@ def _restrict(value, ranks: set):
             continue
         name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i)
         if not pl.is_shard() or name != MODEL_PARALLEL_DIM:
-            # e.g. FSDP1's HSDP + TP state dict puts FSDP shards on the replica dim: replica 0
-            # alone does not hold the whole tensor
+            # the ranks of the group do not hold the whole tensor between them (torch's own
+            # FSDP1 + TP layout with replicas; the patched FSDP avoids it, fsdp_shard_layout.py)
             raise ValueError(f"checkpoint over a sub-group: a tensor is split ({pl}) over mesh "
                              f"dim {name!r}, which reaches ranks outside the group; save and load "
                              "over the world group (process_group=None) instead")
