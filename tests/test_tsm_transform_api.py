@@ -233,9 +233,8 @@ def _sharded_load_shard4(path):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_sharded_checkpoint_tp2_shard2_loads_at_tp1_shard4(tmp_path, world):
-    # At 8 processes both layouts have 2 replicas: FSDP1's state dict then splits the tensors
-    # that TP leaves whole over the replica dim (each replica holds half of them), and the
-    # world-group save must still write every piece once.
+    # At 8 processes both layouts have 2 replicas: each piece of the state dict is on both, the
+    # world-group save writes it once, and the load at shard 4 reads it into another layout.
     path = str(tmp_path / "sharded")
     saved = run_ranks(_sharded_save, world, path, timeout=300)
     for before, again in saved:
