@@ -244,6 +244,35 @@ def test_sharded_checkpoint_tp2_shard2_loads_at_tp1_shard4(tmp_path, world):
         assert tsm_models.max_diff(r, saved[0][0]) == 0.0
 
 
+def _sharded_save_tp2_cp2(path):
+    """TP2 x CP2 (FSDP over the CP ranks): one step, then the sharded state dict saved over the
+    world. FSDP1 puts its shard of a TP tensor on the `cp` mesh dim, for a row-split weight on the
+    same tensor dim as the TP split."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    tsm = _init({"tensor_parallel_degree": 2, "context_parallel_degree": 2})
+    model = _build(tsm, "llama", "FULL_SHARD")
+    opt = tsm_models.optimizer(model)
+    x = _local_batch(tsm, tsm_models.batches(1)[0])
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = model.state_dict()
+        q = sd["model.layers.0.self_attn.q_proj.weight"]
+        save({"model": sd}, checkpoint_id=path)
+    return _full_sd(model, rank0_only=False), [str(p) for p in q.placements]
+
+
+def test_tp2_cp2_sharded_checkpoint_loads_at_tp1_shard4(tmp_path):
+    path = str(tmp_path / "sharded")
+    saved = run_ranks(_sharded_save_tp2_cp2, 4, path, timeout=300)
+    assert saved[0][1] == ["R", "R", "S(0)", "S(0)"]  # (rep, dp_shard, cp, mp): the case above
+    loaded = run_ranks(_sharded_load_shard4, 4, path, timeout=300)
+    for r in loaded:
+        assert tsm_models.max_diff(r, saved[0][0]) == 0.0
+
+
 def _rank0_load(from_rank0):
     import torch.distributed as dist
     from accelerate import init_empty_weights
