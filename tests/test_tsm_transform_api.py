@@ -191,21 +191,29 @@ def test_mixtral_ep2_script_flow():
     assert results[0]["local_numel"] < sum(v.numel() for v in ref_sd.values()) - experts // 2 + 1
 
 
-def _sharded_save(path):
-    """TP2 x shard 2: one step, then the SHARDED_STATE_DICT AWS's scripts take, saved with
-    tsm's DCP saver over the world (every TP rank's shards in one checkpoint)."""
+def _step_and_save_over_world(path, smp_config, strategy):
+    """One step, then the SHARDED_STATE_DICT AWS's scripts take, saved with tsm's DCP saver over
+    the world (every TP rank's shards in one checkpoint). Returns the model and the placements of
+    a row-split TP weight in that state dict."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
 
-    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
-    model = _build(tsm, "llama", "HYBRID_SHARD")
+    tsm = _init(smp_config)
+    model = _build(tsm, "llama", strategy)
     opt = tsm_models.optimizer(model)
     x = _local_batch(tsm, tsm_models.batches(1)[0])
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        save({"model": model.state_dict()}, checkpoint_id=path)
-    # ...and loads back at the same layout
+        sd = model.state_dict()
+        save({"model": sd}, checkpoint_id=path)
+    return model, [str(p) for p in sd["model.layers.0.self_attn.q_proj.weight"].placements]
+
+
+def _sharded_save(path):
+    """TP2 x shard 2: saved over the world, and loaded back at the same layout."""
+    model, _ = _step_and_save_over_world(path, {"tensor_parallel_degree": 2,
+                                                "hybrid_shard_degree": 2}, "HYBRID_SHARD")
     before = _full_sd(model, rank0_only=False)
     _sharded_load_into(model, path)
     return before, _full_sd(model, rank0_only=False)
@@ -245,23 +253,11 @@ def test_sharded_checkpoint_tp2_shard2_loads_at_tp1_shard4(tmp_path, world):
 
 
 def _sharded_save_tp2_cp2(path):
-    """TP2 x CP2 (FSDP over the CP ranks): one step, then the sharded state dict saved over the
-    world. FSDP1 puts its shard of a TP tensor on the `cp` mesh dim, for a row-split weight on the
-    same tensor dim as the TP split."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
-    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
-
-    tsm = _init({"tensor_parallel_degree": 2, "context_parallel_degree": 2})
-    model = _build(tsm, "llama", "FULL_SHARD")
-    opt = tsm_models.optimizer(model)
-    x = _local_batch(tsm, tsm_models.batches(1)[0])
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        sd = model.state_dict()
-        q = sd["model.layers.0.self_attn.q_proj.weight"]
-        save({"model": sd}, checkpoint_id=path)
-    return _full_sd(model, rank0_only=False), [str(p) for p in q.placements]
+    """TP2 x CP2 (FSDP over the CP ranks). FSDP1 puts its shard of a TP tensor on the `cp` mesh
+    dim, for a row-split weight on the same tensor dim as the TP split."""
+    model, placements = _step_and_save_over_world(
+        path, {"tensor_parallel_degree": 2, "context_parallel_degree": 2}, "FULL_SHARD")
+    return _full_sd(model, rank0_only=False), placements
 
 
 def test_tp2_cp2_sharded_checkpoint_loads_at_tp1_shard4(tmp_path):
