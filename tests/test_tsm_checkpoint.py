@@ -13,17 +13,6 @@ from tests import tsm_helpers as h
 PROBE = torch.arange(2 * h.SEQ).reshape(2, h.SEQ) % h.VOCAB
 
 
-def _sharded_sd(model, opt=None):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        sd = {"model": model.state_dict()}
-        if opt is not None:
-            sd["optimizer"] = FSDP.optim_state_dict(model, opt)
-    return sd
-
-
 def _step(model, opt, x):
     import torch.sagemaker as tsm
 
@@ -57,7 +46,7 @@ def _save_at_2(root):
         _step(model, opt, x)
     out = {"logits2": _logits(model)}
     coordinator = min(get_global_ranks(model.process_group))
-    sd = _sharded_sd(model, opt)
+    sd = h.sharded_state_dict(model, opt)
     if tsm.state.ranker.get_rep_rank(rank) == 0:
         state_dict_saver.save(sd, checkpoint_id=os.path.join(root, "sharded", "tp0_ep0"),
                               process_group=model.process_group, coordinator_rank=coordinator)
@@ -66,7 +55,7 @@ def _save_at_2(root):
     # Async: the checkpoint holds the weights of the call, though training goes on meanwhile.
     queue = AsyncCallsQueue()
     if tsm.state.ranker.get_rep_rank(rank) == 0:
-        state_dict_saver.async_save(_sharded_sd(model), checkpoint_id=os.path.join(root, "async", "tp0_ep0"),
+        state_dict_saver.async_save(h.sharded_state_dict(model), checkpoint_id=os.path.join(root, "async", "tp0_ep0"),
                                     process_group=model.process_group, coordinator_rank=coordinator,
                                     queue=queue)
     _step(model, opt, xs[2])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from smshim.testing import run_ranks
-from tests import tsm_models
+from tests import tsm_helpers, tsm_models
 
 TOL = 1e-5
 CLIP = 0.5  # below the tiny models' first gradient norms: clipping acts
@@ -296,13 +296,6 @@ def test_load_state_dict_from_rank0_equals_every_rank_loading():
         torch.testing.assert_close(a["logits"], b["logits"], atol=0, rtol=0)
 
 
-def _sharded_model_and_optimizer(model, opt):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
-
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        return {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, opt)}
-
-
 def _one_more_step(tsm, model, opt, x):
     from torch.sagemaker.grad_norm import clip_grad_norm_
 
@@ -337,7 +330,7 @@ def _train_replicas_save_per_tp_and_resume(path):
     _one_more_step(tsm, model, opt, x1)  # the optimizer has state to save
     own = f"{path}/tp{tsm.state.tp_rank}"
     coordinator = min(dist.get_process_group_ranks(model.process_group))
-    sd = _sharded_model_and_optimizer(model, opt)
+    sd = tsm_helpers.sharded_state_dict(model, opt)
     if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
         save(sd, checkpoint_id=own, process_group=model.process_group, coordinator_rank=coordinator)
     dist.barrier()

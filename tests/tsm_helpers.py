@@ -80,6 +80,18 @@ def full_state_dict(model):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def sharded_state_dict(model, opt=None):
+    """What AWS's scripts save: the SHARDED_STATE_DICT of the model (and of `opt`, if given)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict()}
+        if opt is not None:
+            sd["optimizer"] = FSDP.optim_state_dict(model, opt)
+    return sd
+
+
 def local_batch(x, dp_rank: int, dp_size: int):
     per = x.shape[0] // dp_size
     return x[dp_rank * per:(dp_rank + 1) * per]
