@@ -47,10 +47,13 @@ def test_hybrid_shard_degree_k(hsd, groups):
 
 
 def test_hybrid_shard_degree_1_is_no_shard():
+    # The sharding group (`model.process_group`) is each rank alone; gradients are averaged over
+    # all four data-parallel ranks all the same (equal to one process on the global batch).
     results = run_ranks(h.train_fsdp, 4, {"hybrid_shard_degree": 1}, ("HYBRID_SHARD",), timeout=240)
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["HYBRID_SHARD"]["strategy"] == "NO_SHARD"
-    _check(results[0]["HYBRID_SHARD"], [0, 1, 2, 3])
+        assert r["HYBRID_SHARD"]["shard_ranks"] == [rank]
+    _check(results[0]["HYBRID_SHARD"], [0])
 
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

@@ -157,23 +157,6 @@ def test_llama_tp2_alone_script_flow():
     _check_equal(results, "llama", ranks_with_sd=(0, 1))
 
 
-def _fsdp_without_sharding_group(hsd):
-    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": hsd})
-    try:
-        _build(tsm, "llama", "FULL_SHARD")
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.parametrize("world,hsd", [(2, 0), (4, 1)])
-def test_fsdp_over_tp_without_sharding_group_is_refused(world, hsd):
-    """FSDP1's NO_SHARD (and its fallback on a 1-rank group) swaps TP DTensor parameters for new
-    ones at every unshard: refused on every rank with what to do, instead of training wrong."""
-    for msg in run_ranks(_fsdp_without_sharding_group, world, hsd, timeout=180):
-        assert msg and "needs a sharding group of 2 or more ranks" in msg, msg
-
-
 def test_llama_cp2_script_flow():
     results = run_ranks(_train, 2, "llama", {"context_parallel_degree": 2}, "FULL_SHARD",
                         timeout=300)
@@ -307,22 +290,22 @@ def _one_more_step(tsm, model, opt, x):
     return _full_sd(model, rank0_only=False)
 
 
-def _train_replicas_save_per_tp_and_resume(path):
-    """TP2 x shard 2 x 2 replicas: train; then AWS's v2 checkpoint flow: the ranks of replica 0
-    save model and optimizer per TP rank (`tp{tp_rank}`) over `model.process_group`; one more
-    step. A new model (other weights) on every rank then loads its TP rank's directory over its
-    own sharding group, model and optimizer, and takes the same step."""
+def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SHARD"):
+    """Train; then AWS's v2 checkpoint flow: the ranks of replica 0 save model and optimizer per
+    TP rank (`tp{tp_rank}`) over `model.process_group`; one more step. A new model (other
+    weights) on every rank then loads its TP rank's directory over its own sharding group, model
+    and optimizer, and takes the same step."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
     from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
     from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
 
-    tsm = _init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    tsm = _init(smp_config)
     # After tsm.init, as scripts do: it gives this function SMP's `process_group` argument.
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-    model = _build(tsm, "llama", "HYBRID_SHARD")
+    model = _build(tsm, "llama", strategy)
     out = _train_loop(tsm, model)  # its own optimizer, not returned: a second one carries on
     out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
     opt = tsm_models.optimizer(model)
@@ -336,7 +319,7 @@ def _train_replicas_save_per_tp_and_resume(path):
     dist.barrier()
     out["continued"] = _one_more_step(tsm, model, opt, x2)
 
-    again = _build(tsm, "llama", "HYBRID_SHARD", seed=42)
+    again = _build(tsm, "llama", strategy, seed=42)
     opt2 = tsm_models.optimizer(again)
     with FSDP.state_dict_type(again, StateDictType.SHARDED_STATE_DICT):
         sd = {"model": again.state_dict()}
@@ -351,10 +334,24 @@ def _train_replicas_save_per_tp_and_resume(path):
     return out
 
 
-def test_llama_tp2_shard2_two_replicas_save_per_tp_rank_and_resume(tmp_path):
-    results = run_ranks(_train_replicas_save_per_tp_and_resume, 8, str(tmp_path), timeout=420)
+@pytest.mark.parametrize("world,cfg,strategy,groups", [
+    # TP2 x shard 2 x 2 replicas
+    (8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, "HYBRID_SHARD",
+     {0: [0, 2], 5: [5, 7]}),
+    # Unsharded (NO_SHARD: FSDP1 re-registers a DTensor parameter at every forward there, and
+    # the patched FSDP keeps the one the optimizer holds, fsdp_patch.py `_TP_PARAMS`):
+    # hybrid_shard_degree 1, 2 replicas whose gradients are averaged; the sharding group
+    # (`model.process_group`) is each rank alone, so replica 0 saves without the others
+    (4, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, "FULL_SHARD", {0: [0], 3: [3]}),
+    # TP over every rank: one replica, nothing to shard
+    (2, {"tensor_parallel_degree": 2}, "FULL_SHARD", {0: [0], 1: [1]}),
+])
+def test_llama_tp2_save_per_tp_rank_and_resume(tmp_path, world, cfg, strategy, groups):
+    """Training equals one process; the per-TP-rank checkpoint resumes exactly."""
+    results = run_ranks(_train_replicas_save_per_tp_and_resume, world, str(tmp_path), cfg,
+                        strategy, timeout=420)
     _check_equal(results, "llama")
-    assert results[0]["groups"] == [0, 2] and results[5]["groups"] == [5, 7]
+    assert {rank: results[rank]["groups"] for rank in groups} == groups
     assert sorted(os.listdir(tmp_path)) == ["tp0", "tp1"]
     for rank, r in enumerate(results):
         assert tsm_models.max_diff(r["resumed"], r["continued"]) == 0.0, rank

@@ -8,8 +8,10 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
    groups and pass through untouched):
    * process groups from `tsm.state`'s DeviceMesh: hybrid_shard_degree k >= 2 -> a 2-D
      (replicate, shard) mesh and HYBRID_SHARD (`_HYBRID_SHARD_ZERO2` kept, other strategies
-     rewritten, as SMP does); 1 -> NO_SHARD over the data-parallel ranks; 0 -> stock FSDP, or the
-     largest sharding group when TP/CP/EP > 1. Orthogonal to the TP group by construction.
+     rewritten, as SMP does); 1 -> NO_SHARD over each rank's sharding group of one (SMP's
+     `model.process_group`), gradients averaged over the data-parallel ranks by a communication
+     hook; 0 -> stock FSDP, or the largest sharding group when TP/CP/EP > 1. Orthogonal to the
+     TP group by construction.
    * `post_param_init_fn=` (an SMP argument stock FSDP rejects) is accepted: it runs on each module
      right after `param_init_fn` has materialised it (DelayedParamIniter re-ties weights there).
    * `device_id`: stock FSDP refuses a machine without an accelerator unless told
@@ -17,8 +19,7 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
    * a HYBRID_SHARD call at hybrid_shard_degree 0 without TP gets an explicit (nodes, local ranks)
      mesh: stock FSDP derives the node size from the accelerator count, which is 0 on a CPU host.
    * a model holding DTensors (tsm.transform's TP shards) gets the same sharding as a
-     `device_mesh` slice of tsm.state's mesh instead of groups (FSDP1's TP path needs one); NO_SHARD
-     or a 1-rank group is refused there (FSDP1 would swap the parameters at every unshard). Its
+     `device_mesh` slice of tsm.state's mesh instead of groups (FSDP1's TP path needs one). Its
      sharded state dicts split the tensors TP leaves whole inside each replica
      (fsdp_shard_layout.py), so that replica 0 alone can save per TP rank, as AWS's scripts do.
    * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
@@ -36,6 +37,8 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
    without CUDA, CPU tensors are allowed with `sync_module_states=True` (stock FSDP demands GPU
    tensors; gloo broadcasts CPU tensors fine). This is what SMP's fine-tuning recipe needs on CPU:
    rank 0 loads the pretrained weights, the others build on meta, FSDP spreads rank 0's weights.
+5. Unsharded FSDP1 (NO_SHARD, or a sharding group of one) around a TP model keeps the DTensor
+   parameters the optimizer holds, and loads optimizer state into them (fsdp_unsharded_tp.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
 from torch.distributed.fsdp import (FullStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
+from smshim.torch_sagemaker import fsdp_unsharded_tp
 from smshim.torch_sagemaker.fsdp_shard_layout import keep_shards_inside_each_replica
 from smshim.torch_sagemaker.state_handler import state
 
@@ -135,9 +139,11 @@ def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
         if strategy != ShardingStrategy.NO_SHARD:
             logger.info("hybrid_shard_degree=1: FSDP sharding_strategy %s becomes NO_SHARD",
                         strategy.name)
-        if d.mp == 1:
-            return {"sharding_strategy": ShardingStrategy.NO_SHARD}
-        return {"sharding_strategy": ShardingStrategy.NO_SHARD, "process_group": mesh["dp"].get_group()}
+        # The group is the sharding group, of one rank (SMP's `model.process_group`, which
+        # AWS's scripts save checkpoints over from replica 0); gradients are averaged over the
+        # data-parallel ranks by `_average_over_data_parallel`.
+        return {"sharding_strategy": ShardingStrategy.NO_SHARD,
+                "process_group": mesh["shard"].get_group()}
     # hybrid_shard_degree 0: stock behaviour over the ranks with this TP/EP rank.
     if strategy in _HYBRID:
         if d.mp == 1 and d.cp == 1:
@@ -187,21 +193,33 @@ def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any
     DTensors in state dicts), not process groups. Same groups as `_groups_for` gives."""
     args = _groups_for(strategy)
     args.pop("process_group", None)
-    hybrid = args["sharding_strategy"] in _HYBRID
-    mesh = state.mesh["rep", "shard"] if hybrid else state.mesh["dp"]
-    shard_size = mesh.size(1) if hybrid else mesh.size()
-    if args["sharding_strategy"] == ShardingStrategy.NO_SHARD or shard_size == 1:
-        # FSDP1's NO_SHARD (also what it falls back to on a 1-rank group) replaces a DTensor
-        # parameter by a new one at every unshard: the optimizer would hold stale parameters.
-        raise ValueError(
-            f"FSDP around a tsm.transform'ed model (tensor_parallel_degree "
-            f"{state.tensor_parallel_degree}) needs a sharding group of 2 or more ranks; here "
-            f"hybrid_shard_degree {state.hybrid_shard_degree} gives "
-            f"{'NO_SHARD' if shard_size > 1 else 'a group of 1'} (FSDP1 cannot keep TP "
-            "parameters unsharded). Use hybrid_shard_degree 0 or >= 2 with world_size >= "
-            "2 x tensor_parallel_degree, or train the transformed model without FSDP")
-    args["device_mesh"] = mesh
+    if args["sharding_strategy"] in _HYBRID:
+        args["device_mesh"] = state.mesh["rep", "shard"]
+    elif state.hybrid_shard_degree == 1:
+        args["device_mesh"] = state.mesh["shard"]
+    else:
+        args["device_mesh"] = state.mesh["dp"]
     return args
+
+
+def _average_over_data_parallel(root: FSDP) -> None:
+    """hybrid_shard_degree 1: NO_SHARD over each rank's sharding group of one (`_groups_for`),
+    with the all-reduce NO_SHARD does over its group done over the data-parallel ranks instead,
+    by a communication hook on every unit (FSDP calls it with the gradient to reduce in place)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_states
+
+    group = state.mesh["dp"].get_group()
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+
+    def average(_hook_state, grad: torch.Tensor) -> None:
+        grad.div_(n)
+        dist.all_reduce(grad, group=group)
+
+    for fsdp_state in _get_fsdp_states(root):
+        fsdp_state._comm_hook, fsdp_state._comm_hook_state = average, None
 
 
 def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
@@ -228,6 +246,8 @@ def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     _originals["FSDP.__init__"](self, module, **kwargs)
     if on_tp_mesh:
         keep_shards_inside_each_replica(self)
+    if root and state.hybrid_shard_degree == 1 and state.expert_parallel_degree == 1:
+        _average_over_data_parallel(self)
     if root and _transformed(module):
         self._register_state_dict_hook(_translate_full_state_dict)
 
@@ -291,7 +311,7 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Install the four patches above (idempotent)."""
+    """Install the patches above (idempotent)."""
     if _originals:
         return
     _originals["FSDP.__init__"] = FSDP.__init__
@@ -303,6 +323,7 @@ def install() -> None:
     _originals["_check_module_states_for_sync_module_states"] = \
         _fsdp_init_utils._check_module_states_for_sync_module_states
     _fsdp_init_utils._check_module_states_for_sync_module_states = _patched_check_sync_states
+    fsdp_unsharded_tp.install()
     logger.debug("torch.sagemaker: FSDP patches installed")
 
 
@@ -315,6 +336,7 @@ def uninstall() -> None:
     FullStateDictConfig.__init__ = _originals.pop("FullStateDictConfig.__init__")
     _fsdp_init_utils._check_module_states_for_sync_module_states = \
         _originals.pop("_check_module_states_for_sync_module_states")
+    fsdp_unsharded_tp.uninstall()
 
 
 __all__ = ["install", "uninstall", "installed"]
