@@ -237,7 +237,8 @@ def test_sharded_checkpoint_tp2_shard2_loads_at_tp1_shard4(tmp_path, world):
 
 def _sharded_save_tp2_cp2(path):
     """TP2 x CP2 (FSDP over the CP ranks). FSDP1 puts its shard of a TP tensor on the `cp` mesh
-    dim, for a row-split weight on the same tensor dim as the TP split."""
+    dim, for a row-split weight on the same tensor dim as the TP split; the patched FSDP splits
+    the TP slice (TP-first, fsdp_shard_layout.py)."""
     model, placements = _step_and_save_over_world(
         path, {"tensor_parallel_degree": 2, "context_parallel_degree": 2}, "FULL_SHARD")
     return _full_sd(model, rank0_only=False), placements
@@ -246,7 +247,7 @@ def _sharded_save_tp2_cp2(path):
 def test_tp2_cp2_sharded_checkpoint_loads_at_tp1_shard4(tmp_path):
     path = str(tmp_path / "sharded")
     saved = run_ranks(_sharded_save_tp2_cp2, 4, path, timeout=300)
-    assert saved[0][1] == ["R", "R", "S(0)", "S(0)"]  # (rep, dp_shard, cp, mp): the case above
+    assert saved[0][1] == ["R", "R", "_S(0, 2)", "S(0)"]  # (rep, dp_shard, cp, mp)
     loaded = run_ranks(_sharded_load_shard4, 4, path, timeout=300)
     for r in loaded:
         assert tsm_models.max_diff(r, saved[0][0]) == 0.0
@@ -335,16 +336,21 @@ def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SH
 
 
 @pytest.mark.parametrize("world,cfg,strategy,groups", [
-    # TP2 x shard 2 x 2 replicas
-    (8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, "HYBRID_SHARD",
-     {0: [0, 2], 5: [5, 7]}),
+    pytest.param(8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, "HYBRID_SHARD",
+                 {0: [0, 2], 5: [5, 7]}, id="tp2_shard2_2replicas"),
     # Unsharded (NO_SHARD: FSDP1 re-registers a DTensor parameter at every forward there, and
-    # the patched FSDP keeps the one the optimizer holds, fsdp_patch.py `_TP_PARAMS`):
+    # the patched FSDP keeps the one the optimizer holds, fsdp_unsharded_tp.py):
     # hybrid_shard_degree 1, 2 replicas whose gradients are averaged; the sharding group
     # (`model.process_group`) is each rank alone, so replica 0 saves without the others
-    (4, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, "FULL_SHARD", {0: [0], 3: [3]}),
+    pytest.param(4, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, "FULL_SHARD",
+                 {0: [0], 3: [3]}, id="tp2_unsharded_2replicas"),
     # TP over every rank: one replica, nothing to shard
-    (2, {"tensor_parallel_degree": 2}, "FULL_SHARD", {0: [0], 1: [1]}),
+    pytest.param(2, {"tensor_parallel_degree": 2}, "FULL_SHARD", {0: [0], 1: [1]},
+                 id="tp_over_every_rank"),
+    # FSDP splits each TP slice over the CP ranks (TP-first, fsdp_shard_layout.py), so the CP
+    # ranks of one TP rank hold its slice between them
+    pytest.param(4, {"tensor_parallel_degree": 2, "context_parallel_degree": 2}, "FULL_SHARD",
+                 {0: [0, 2], 1: [1, 3]}, id="tp2_cp2"),
 ])
 def test_llama_tp2_save_per_tp_rank_and_resume(tmp_path, world, cfg, strategy, groups):
     """Training equals one process; the per-TP-rank checkpoint resumes exactly."""

@@ -24,8 +24,15 @@ def _outside(mesh, dim: int, ranks: set) -> bool:
     return not set(dist.get_process_group_ranks(mesh.get_group(dim))) <= ranks
 
 
+def _strided(placement, dim: int, split_factor: int) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return (isinstance(placement, _StridedShard) and placement.dim == dim
+            and placement.split_factor == split_factor)
+
+
 def _restrict(value, ranks: set):
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     mesh = value.device_mesh
     drop = [i for i in range(mesh.ndim) if _outside(mesh, i, ranks)]
@@ -33,6 +40,7 @@ def _restrict(value, ranks: set):
         return value
     shape = list(value.shape)
     keep = [i for i in range(mesh.ndim) if i not in drop]
+    placements = {k: value.placements[k] for k in keep}
     for i in drop:
         pl = value.placements[i]
         if pl.is_replicate():
@@ -45,7 +53,11 @@ def _restrict(value, ranks: set):
                              f"dim {name!r}, which reaches ranks outside the group; save and load "
                              "over the world group (process_group=None) instead")
         d, n = pl.dim, mesh.size(i)
-        if shape[d] % n or any(value.placements[k].is_shard(d) and mesh.size(k) > 1 for k in keep):
+        for k in keep:  # split TP-first (fsdp_shard_layout.py): a plain split of the TP slice
+            if _strided(value.placements[k], d, n):
+                placements[k] = Shard(d)
+        if shape[d] % n or any(value.placements[k].is_shard(d) and mesh.size(k) > 1
+                               and not _strided(value.placements[k], d, n) for k in keep):
             raise ValueError(f"checkpoint over a sub-group: tensor of shape {tuple(value.shape)} "
                              f"split on dim {d} over {mesh.mesh_dim_names[i]!r} ({n}) and other "
                              "mesh dims: save over the world group instead")
@@ -58,7 +70,7 @@ def _restrict(value, ranks: set):
     if sub is None:
         raise ValueError("checkpoint over a sub-group: the DTensor's mesh has no dim names")
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, sub, [value.placements[i] for i in keep], run_check=False,
+    return DTensor.from_local(local, sub, [placements[i] for i in keep], run_check=False,
                               shape=torch.Size(shape), stride=stride)
 
 
