@@ -76,24 +76,24 @@ def _local_batch(tsm, x):
     return split_for_cp(x, s.cp_rank, s.context_parallel_degree) if s.context_parallel_degree > 1 else x
 
 
-def _train_loop(tsm, model):
+def _train_loop(tsm, model, batch=4):
     from torch.sagemaker.grad_norm import clip_grad_norm_
 
     losses, norms = tsm_models.train_ranks(model, lambda x: _local_batch(tsm, x), clip_grad_norm_,
-                                           CLIP)
+                                           CLIP, batch=batch)
     x = tsm_models.batches(1, seed=5)[0]
     return {"losses": losses, "norms": norms, "logits": model(input_ids=x).logits.detach(),
             "local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                                for p in model.parameters())}
 
 
-def _train(kind, smp_config, strategy, save_dir=None):
+def _train(kind, smp_config, strategy, save_dir=None, batch=4):
     """strategy None: no FSDP (TP over every rank leaves no data-parallel group to shard over)."""
     import torch.distributed as dist
 
     tsm = _init(smp_config)
     model = _build(tsm, kind, strategy)
-    out = _train_loop(tsm, model)
+    out = _train_loop(tsm, model, batch)
     if strategy is None:
         from smshim.torch_sagemaker.parallelize import full_hf_state_dict
         return {**out, "sd": full_hf_state_dict(model), "groups": None}
@@ -107,8 +107,8 @@ def _train(kind, smp_config, strategy, save_dir=None):
     return out
 
 
-def _check_equal(results, kind, ranks_with_sd=(0,)):
-    ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP)
+def _check_equal(results, kind, ranks_with_sd=(0,), batch=4):
+    ref_sd, ref_losses, ref_norms = tsm_models.train_reference(kind, clip=CLIP, batch=batch)
     assert ref_norms[0] > CLIP
     for rank, r in enumerate(results):
         assert r["norms"] == pytest.approx(ref_norms, abs=TOL), rank
@@ -163,13 +163,23 @@ def test_llama_cp2_script_flow():
     _check_equal(results, "llama")
 
 
-def test_mixtral_ep2_script_flow():
-    """EP2 on 2 ranks: the EP ranks are the data-parallel ranks; the patched FSDP shards the rest
-    over both and keeps the experts out (each rank holds half of them)."""
-    results = run_ranks(_train, 2, "mixtral", {"expert_parallel_degree": 2}, "HYBRID_SHARD",
-                        timeout=300)
-    ref_sd = _check_equal(results, "mixtral")
-    assert results[0]["groups"] == [0, 1]
+@pytest.mark.parametrize("world,hsd,groups", [
+    pytest.param(4, 0, [0, 1, 2, 3], id="one_replica_shard4"),
+    pytest.param(4, 1, [0, 1], id="unsharded_2replicas"),
+    pytest.param(8, 2, [0, 1, 2, 3], id="shard4_2replicas"),
+])
+def test_mixtral_ep2_script_flow(world, hsd, groups):
+    """EP2: the EP ranks are data-parallel ranks; the patched FSDP shards the rest over each
+    replica's shard x EP ranks (`groups`, rank 0's) and keeps the experts out (each rank holds
+    half of them). More ranks than the EP group hold the same experts (the other shard
+    positions, the other replicas): their gradients are averaged over those ranks
+    (fsdp_expert_grads.py). A global batch of 8 gives each of 8 ranks a sample."""
+    batch = max(4, world)
+    results = run_ranks(_train, world, "mixtral", {"expert_parallel_degree": 2,
+                                                   "hybrid_shard_degree": hsd},
+                        "HYBRID_SHARD", None, batch, timeout=300)
+    ref_sd = _check_equal(results, "mixtral", batch=batch)
+    assert results[0]["groups"] == groups
     experts = sum(v.numel() for k, v in ref_sd.items() if ".experts." in k)
     assert results[0]["local_numel"] < sum(v.numel() for v in ref_sd.values()) - experts // 2 + 1
 

@@ -46,12 +46,12 @@ def optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
 
 
-def train_reference(kind: str, steps: int = 3, clip=None, **overrides):
+def train_reference(kind: str, steps: int = 3, clip=None, batch: int = 4, **overrides):
     """One process, plain HF model, the whole global batch: (state dict, losses, grad norms)."""
     model = make(kind, **overrides)
     opt = optimizer(model)
     losses, norms = [], []
-    for x in batches(steps):
+    for x in batches(steps, batch=batch):
         opt.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -64,7 +64,7 @@ def train_reference(kind: str, steps: int = 3, clip=None, **overrides):
 
 
 def train_ranks(model, local, clip_grad_norm_, clip: float, steps: int = 3,
-                average_over=all) -> tuple:
+                average_over=all, batch: int = 4) -> tuple:
     """The ranks' side of the equivalence tests: AdamW on each rank's share `local(x)` of every
     global batch, clipping with `clip_grad_norm_(model, clip)`. Per step: the clipped norm, and
     the loss summed over the ranks and divided by `average_over` (the world size by default;
@@ -73,7 +73,7 @@ def train_ranks(model, local, clip_grad_norm_, clip: float, steps: int = 3,
 
     opt = optimizer(model)
     losses, norms = [], []
-    for x in batches(steps):
+    for x in batches(steps, batch=batch):
         x = local(x)
         opt.zero_grad()
         loss = model(input_ids=x, labels=x).loss

@@ -23,7 +23,9 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
      sharded state dicts split the tensors TP leaves whole inside each replica
      (fsdp_shard_layout.py), so that replica 0 alone can save per TP rank, as AWS's scripts do.
    * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
-     replica's shard x EP ranks (the EP ranks are data-parallel ranks).
+     replica's shard x EP ranks (the EP ranks are data-parallel ranks) and replicated across
+     replicas; the experts' gradients are averaged over the ranks holding the same experts
+     (fsdp_expert_grads.py, installed with the patches here).
 2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: a
    transformed model's FULL state dict has its TP/EP DTensors gathered whole (the HF layout; the
    module tree is HF's already), by a state-dict hook on the root FSDP module. Models that did
@@ -55,7 +57,7 @@ from torch.distributed.fsdp import _init_utils as _fsdp_init_utils
 from torch.distributed.fsdp import (FullStateDictConfig, ShardingStrategy,
                                     StateDictType)
 
-from smshim.torch_sagemaker import fsdp_unsharded_tp
+from smshim.torch_sagemaker import fsdp_expert_grads, fsdp_unsharded_tp
 from smshim.torch_sagemaker.fsdp_shard_layout import keep_shards_inside_each_replica
 from smshim.torch_sagemaker.state_handler import state
 
@@ -141,7 +143,7 @@ def _groups_for(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
                         strategy.name)
         # The group is the sharding group, of one rank (SMP's `model.process_group`, which
         # AWS's scripts save checkpoints over from replica 0); gradients are averaged over the
-        # data-parallel ranks by `_average_over_data_parallel`.
+        # data-parallel ranks by `_average_over`.
         return {"sharding_strategy": ShardingStrategy.NO_SHARD,
                 "process_group": mesh["shard"].get_group()}
     # hybrid_shard_degree 0: stock behaviour over the ranks with this TP/EP rank.
@@ -169,22 +171,24 @@ def _holds_dtensors(module: torch.nn.Module, ignored) -> bool:
 
 def _expert_parallel_args(module: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """EP: the EP ranks are data-parallel ranks too, so the rest of the model is sharded over the
-    whole replica (shard x EP ranks); the experts (split by EP, gradients pre-scaled by 1/ep) stay
-    out of FSDP. Nothing would average expert gradients over replicas: refused."""
-    d = state.degrees
-    if d.replicas > 1:
-        raise ValueError(f"expert_parallel_degree {d.ep} with {d.replicas} replicas "
-                         f"(hybrid_shard_degree {state.hybrid_shard_degree}): expert gradients are "
-                         "not averaged over replicas here; use hybrid_shard_degree 0")
+    whole replica (shard x EP ranks), and replicated over replicas (HYBRID_SHARD); the experts
+    (split by EP, gradients pre-scaled by 1/ep) stay out of FSDP, and the root averages their
+    gradients over the other ranks that hold the same experts (fsdp_expert_grads.py)."""
     ignored = list(kwargs.get("ignored_modules") or [])
     ignored += [m for m in _expert_modules(module) if all(m is not i for i in ignored)]
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+    replica = state.mesh["replica"].get_group()
     if state.hybrid_shard_degree == 1:
+        # (gradients of the rest averaged over every rank by `_average_over`, if replicas > 1)
         strategy = ShardingStrategy.NO_SHARD
+    elif state.degrees.replicas > 1:
+        if strategy not in _HYBRID:
+            strategy = ShardingStrategy.HYBRID_SHARD
+        return {"sharding_strategy": strategy, "ignored_modules": ignored,
+                "process_group": (replica, state.mesh["rep"].get_group())}
     elif strategy in _HYBRID:
         strategy = ShardingStrategy.FULL_SHARD  # one replica: hybrid would be full sharding
-    return {"sharding_strategy": strategy, "process_group": state.mesh["replica"].get_group(),
-            "ignored_modules": ignored}
+    return {"sharding_strategy": strategy, "process_group": replica, "ignored_modules": ignored}
 
 
 def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
@@ -202,14 +206,14 @@ def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any
     return args
 
 
-def _average_over_data_parallel(root: FSDP) -> None:
-    """hybrid_shard_degree 1: NO_SHARD over each rank's sharding group of one (`_groups_for`),
-    with the all-reduce NO_SHARD does over its group done over the data-parallel ranks instead,
-    by a communication hook on every unit (FSDP calls it with the gradient to reduce in place)."""
+def _average_over(root: FSDP, group) -> None:
+    """NO_SHARD whose group is not every data-parallel rank (hybrid_shard_degree 1: each rank's
+    sharding group of one, `_groups_for`; with EP, one replica): the all-reduce NO_SHARD does over
+    its group is done over `group` instead, by a communication hook on every unit (FSDP calls it
+    with the gradient to reduce in place)."""
     import torch.distributed as dist
     from torch.distributed.fsdp._traversal_utils import _get_fsdp_states
 
-    group = state.mesh["dp"].get_group()
     n = dist.get_world_size(group)
     if n == 1:
         return
@@ -220,6 +224,22 @@ def _average_over_data_parallel(root: FSDP) -> None:
 
     for fsdp_state in _get_fsdp_states(root):
         fsdp_state._comm_hook, fsdp_state._comm_hook_state = average, None
+
+
+def _after_root_init(root: FSDP, module: torch.nn.Module) -> None:
+    """What the job's degrees add to a script's root FSDP once it is built: gradient averaging
+    beyond FSDP's own groups (hybrid_shard_degree 1; experts, kept out of FSDP)."""
+    import torch.distributed as dist
+
+    if state.expert_parallel_degree > 1:
+        if state.hybrid_shard_degree == 1 and state.degrees.replicas > 1:
+            _average_over(root, dist.group.WORLD)
+        same_experts = state.mesh["dp"].get_group()
+        if dist.get_world_size(same_experts) > 1:
+            fsdp_expert_grads.average_over(
+                root, [p for m in _expert_modules(module) for p in m.parameters()], same_experts)
+    elif state.hybrid_shard_degree == 1:
+        _average_over(root, state.mesh["dp"].get_group())
 
 
 def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
@@ -246,8 +266,8 @@ def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     _originals["FSDP.__init__"](self, module, **kwargs)
     if on_tp_mesh:
         keep_shards_inside_each_replica(self)
-    if root and state.hybrid_shard_degree == 1 and state.expert_parallel_degree == 1:
-        _average_over_data_parallel(self)
+    if root:
+        _after_root_init(self, module)
     if root and _transformed(module):
         self._register_state_dict_hook(_translate_full_state_dict)
 
@@ -324,6 +344,7 @@ def install() -> None:
         _fsdp_init_utils._check_module_states_for_sync_module_states
     _fsdp_init_utils._check_module_states_for_sync_module_states = _patched_check_sync_states
     fsdp_unsharded_tp.install()
+    fsdp_expert_grads.install()
     logger.debug("torch.sagemaker: FSDP patches installed")
 
 
@@ -337,6 +358,7 @@ def uninstall() -> None:
     _fsdp_init_utils._check_module_states_for_sync_module_states = \
         _originals.pop("_check_module_states_for_sync_module_states")
     fsdp_unsharded_tp.uninstall()
+    fsdp_expert_grads.uninstall()
 
 
 __all__ = ["install", "uninstall", "installed"]
