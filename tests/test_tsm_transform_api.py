@@ -164,16 +164,17 @@ def test_llama_cp2_script_flow():
 
 
 @pytest.mark.parametrize("world,hsd,groups", [
-    pytest.param(4, 0, [0, 1, 2, 3], id="one_replica_shard4"),
-    pytest.param(4, 1, [0, 1], id="unsharded_2replicas"),
-    pytest.param(8, 2, [0, 1, 2, 3], id="shard4_2replicas"),
+    pytest.param(4, 0, [0, 2], id="shard2"),
+    pytest.param(4, 1, [0], id="unsharded"),
+    pytest.param(8, 2, [0, 2], id="shard2_2replicas"),
 ])
 def test_mixtral_ep2_script_flow(world, hsd, groups):
-    """EP2: the EP ranks are data-parallel ranks; the patched FSDP shards the rest over each
-    replica's shard x EP ranks (`groups`, rank 0's) and keeps the experts out (each rank holds
-    half of them). More ranks than the EP group hold the same experts (the other shard
-    positions, the other replicas): their gradients are averaged over those ranks
-    (fsdp_expert_grads.py). A global batch of 8 gives each of 8 ranks a sample."""
+    """EP2: the EP ranks are data-parallel ranks; the patched FSDP shards the rest over the ranks
+    with the same EP rank (`groups`, rank 0's `model.process_group`), replicates it over the EP
+    ranks and replicas, and keeps the experts out (each rank holds half of them). More ranks than
+    the EP group hold the same experts (the other shard positions, the other replicas): their
+    gradients are averaged over those ranks (fsdp_expert_grads.py). A global batch of 8 gives
+    each of 8 ranks a sample."""
     batch = max(4, world)
     results = run_ranks(_train, world, "mixtral", {"expert_parallel_degree": 2,
                                                    "hybrid_shard_degree": hsd},
@@ -301,11 +302,12 @@ def _one_more_step(tsm, model, opt, x):
     return _full_sd(model, rank0_only=False)
 
 
-def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SHARD"):
+def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SHARD",
+                                           kind="llama"):
     """Train; then AWS's v2 checkpoint flow: the ranks of replica 0 save model and optimizer per
-    TP rank (`tp{tp_rank}`) over `model.process_group`; one more step. A new model (other
-    weights) on every rank then loads its TP rank's directory over its own sharding group, model
-    and optimizer, and takes the same step."""
+    TP and EP rank (`tp{tp_rank}_ep{ep_rank}`) over `model.process_group`; one more step. A new
+    model (other weights) on every rank then loads its directory over its own sharding group,
+    model and optimizer, and takes the same step."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
@@ -316,13 +318,13 @@ def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SH
     # After tsm.init, as scripts do: it gives this function SMP's `process_group` argument.
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-    model = _build(tsm, "llama", strategy)
+    model = _build(tsm, kind, strategy)
     out = _train_loop(tsm, model)  # its own optimizer, not returned: a second one carries on
     out.update(sd=_full_sd(model), groups=sorted(dist.get_process_group_ranks(model.process_group)))
     opt = tsm_models.optimizer(model)
     x1, x2 = tsm_models.batches(2, seed=9)
     _one_more_step(tsm, model, opt, x1)  # the optimizer has state to save
-    own = f"{path}/tp{tsm.state.tp_rank}"
+    own = f"{path}/tp{tsm.state.tp_rank}_ep{tsm.state.ep_rank}"
     coordinator = min(dist.get_process_group_ranks(model.process_group))
     sd = tsm_helpers.sharded_state_dict(model, opt)
     if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
@@ -330,7 +332,7 @@ def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SH
     dist.barrier()
     out["continued"] = _one_more_step(tsm, model, opt, x2)
 
-    again = _build(tsm, "llama", strategy, seed=42)
+    again = _build(tsm, kind, strategy, seed=42)
     opt2 = tsm_models.optimizer(again)
     with FSDP.state_dict_type(again, StateDictType.SHARDED_STATE_DICT):
         sd = {"model": again.state_dict()}
@@ -345,30 +347,36 @@ def _train_replicas_save_per_tp_and_resume(path, smp_config, strategy="HYBRID_SH
     return out
 
 
-@pytest.mark.parametrize("world,cfg,strategy,groups", [
+@pytest.mark.parametrize("world,cfg,strategy,groups,kind", [
     pytest.param(8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, "HYBRID_SHARD",
-                 {0: [0, 2], 5: [5, 7]}, id="tp2_shard2_2replicas"),
+                 {0: [0, 2], 5: [5, 7]}, "llama", id="tp2_shard2_2replicas"),
     # Unsharded (NO_SHARD: FSDP1 re-registers a DTensor parameter at every forward there, and
     # the patched FSDP keeps the one the optimizer holds, fsdp_unsharded_tp.py):
     # hybrid_shard_degree 1, 2 replicas whose gradients are averaged; the sharding group
     # (`model.process_group`) is each rank alone, so replica 0 saves without the others
     pytest.param(4, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, "FULL_SHARD",
-                 {0: [0], 3: [3]}, id="tp2_unsharded_2replicas"),
+                 {0: [0], 3: [3]}, "llama", id="tp2_unsharded_2replicas"),
     # TP over every rank: one replica, nothing to shard
-    pytest.param(2, {"tensor_parallel_degree": 2}, "FULL_SHARD", {0: [0], 1: [1]},
+    pytest.param(2, {"tensor_parallel_degree": 2}, "FULL_SHARD", {0: [0], 1: [1]}, "llama",
                  id="tp_over_every_rank"),
     # FSDP splits each TP slice over the CP ranks (TP-first, fsdp_shard_layout.py), so the CP
     # ranks of one TP rank hold its slice between them
     pytest.param(4, {"tensor_parallel_degree": 2, "context_parallel_degree": 2}, "FULL_SHARD",
-                 {0: [0, 2], 1: [1, 3]}, id="tp2_cp2"),
+                 {0: [0, 2], 1: [1, 3]}, "llama", id="tp2_cp2"),
+    # EP2 x shard 2: the rest of the model is sharded over the ranks with the same EP rank
+    pytest.param(4, {"expert_parallel_degree": 2}, "HYBRID_SHARD", {0: [0, 2], 1: [1, 3]},
+                 "mixtral", id="ep2_shard2"),
 ])
-def test_llama_tp2_save_per_tp_rank_and_resume(tmp_path, world, cfg, strategy, groups):
-    """Training equals one process; the per-TP-rank checkpoint resumes exactly."""
+def test_save_per_tp_ep_rank_and_resume(tmp_path, world, cfg, strategy, groups, kind):
+    """Training equals one process; the per-TP/EP-rank checkpoint resumes exactly."""
     results = run_ranks(_train_replicas_save_per_tp_and_resume, world, str(tmp_path), cfg,
-                        strategy, timeout=420)
-    _check_equal(results, "llama")
+                        strategy, kind, timeout=420)
+    _check_equal(results, kind)
     assert {rank: results[rank]["groups"] for rank in groups} == groups
-    assert sorted(os.listdir(tmp_path)) == ["tp0", "tp1"]
+    mp = cfg.get("tensor_parallel_degree", 1) * cfg.get("expert_parallel_degree", 1)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"tp{r % cfg.get('tensor_parallel_degree', 1) if kind == 'llama' else 0}"
+        f"_ep{r if kind == 'mixtral' else 0}" for r in range(mp))
     for rank, r in enumerate(results):
         assert tsm_models.max_diff(r["resumed"], r["continued"]) == 0.0, rank
         assert tsm_models.max_diff(r["continued"], results[0]["continued"]) == 0.0, rank

@@ -23,7 +23,7 @@ process groups; SMP makes that call follow the job's degrees. Installed by `tsm.
      sharded state dicts split the tensors TP leaves whole inside each replica
      (fsdp_shard_layout.py), so that replica 0 alone can save per TP rank, as AWS's scripts do.
    * expert parallelism: the experts become `ignored_modules`, the rest is sharded over the
-     replica's shard x EP ranks (the EP ranks are data-parallel ranks) and replicated across
+     ranks with the same EP rank and replicated over the EP ranks (data-parallel ranks too) and
      replicas; the experts' gradients are averaged over the ranks holding the same experts
      (fsdp_expert_grads.py, installed with the patches here).
 2. `FullStateDictConfig.__init__` accepts `translate_on_save` (default True), an SMP field: a
@@ -170,25 +170,24 @@ def _holds_dtensors(module: torch.nn.Module, ignored) -> bool:
 
 
 def _expert_parallel_args(module: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """EP: the EP ranks are data-parallel ranks too, so the rest of the model is sharded over the
-    whole replica (shard x EP ranks), and replicated over replicas (HYBRID_SHARD); the experts
-    (split by EP, gradients pre-scaled by 1/ep) stay out of FSDP, and the root averages their
-    gradients over the other ranks that hold the same experts (fsdp_expert_grads.py)."""
+    """EP: the experts (split by EP, gradients pre-scaled by 1/ep) stay out of FSDP, and the root
+    averages their gradients over the other ranks that hold the same experts
+    (fsdp_expert_grads.py). The EP ranks are data-parallel ranks too: the rest of the model is
+    sharded over the ranks with this EP rank (`shard`, hybrid_shard_degree of them: SMP's
+    `model.process_group`, so that AWS's per-EP-rank checkpoints `tp0_ep{r}` hold one EP rank's
+    share each) and replicated over the EP ranks and replicas (HYBRID_SHARD). A sharding group of
+    one: NO_SHARD, averaged over every rank by `_average_over`."""
     ignored = list(kwargs.get("ignored_modules") or [])
     ignored += [m for m in _expert_modules(module) if all(m is not i for i in ignored)]
     strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
-    replica = state.mesh["replica"].get_group()
-    if state.hybrid_shard_degree == 1:
-        # (gradients of the rest averaged over every rank by `_average_over`, if replicas > 1)
-        strategy = ShardingStrategy.NO_SHARD
-    elif state.degrees.replicas > 1:
-        if strategy not in _HYBRID:
-            strategy = ShardingStrategy.HYBRID_SHARD
-        return {"sharding_strategy": strategy, "ignored_modules": ignored,
-                "process_group": (replica, state.mesh["rep"].get_group())}
-    elif strategy in _HYBRID:
-        strategy = ShardingStrategy.FULL_SHARD  # one replica: hybrid would be full sharding
-    return {"sharding_strategy": strategy, "process_group": replica, "ignored_modules": ignored}
+    shard = state.mesh["shard"].get_group()
+    if state.mesh["shard"].size() == 1:
+        return {"sharding_strategy": ShardingStrategy.NO_SHARD, "process_group": shard,
+                "ignored_modules": ignored}
+    if strategy not in _HYBRID:
+        strategy = ShardingStrategy.HYBRID_SHARD
+    return {"sharding_strategy": strategy, "ignored_modules": ignored,
+            "process_group": (shard, state.mesh["rep_mp"].get_group())}
 
 
 def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any]:
@@ -232,7 +231,7 @@ def _after_root_init(root: FSDP, module: torch.nn.Module) -> None:
     import torch.distributed as dist
 
     if state.expert_parallel_degree > 1:
-        if state.hybrid_shard_degree == 1 and state.degrees.replicas > 1:
+        if state.mesh["shard"].size() == 1:
             _average_over(root, dist.group.WORLD)
         same_experts = state.mesh["dp"].get_group()
         if dist.get_world_size(same_experts) > 1:

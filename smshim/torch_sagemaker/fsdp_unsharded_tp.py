@@ -9,7 +9,8 @@ local parameters it keeps (`flat_param._params`). The patches of `FlatParamHandl
 DTensor parameter per TP tensor (`_TP_PARAMS`), whose local tensor is the plain parameter's view of
 the flat parameter and whose gradient wraps the plain one's; `optim_state_dict_to_load` hands
 back the optimizer state of those parameters as DTensors like them. Sharded strategies never
-reach this code: their parameters are flat views, not DTensors.
+reach the parameter patches: their parameters are flat views, not DTensors. (The optimizer-state
+conversion also serves the experts expert parallelism keeps out of FSDP.)
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ def _patched_use_sharded_grad_views(self) -> None:
 
 def _patched_optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
                                       load_directly=False, group=None):
-    """Unsharded FSDP1 hands back the optimizer state of a DTensor parameter
-    as a plain tensor: the whole (from a FULL or world-saved state dict) or this rank's slice
-    (DCP's sharded optimizer loader). The optimizer steps DTensors: each becomes a DTensor like
-    its parameter, holding this rank's slice (cut locally: no communication)."""
+    """For a DTensor parameter FSDP1 does not flatten (a TP shard under unsharded FSDP; an expert
+    kept out of FSDP), `optim_state_dict_to_load` hands back its optimizer state as a plain
+    tensor: the whole (a FULL or world-saved state dict) or this rank's slice (DCP's sharded
+    optimizer loader). The optimizer steps DTensors: each becomes a DTensor like its parameter,
+    holding this rank's slice (cut locally: no communication)."""
     converted = _originals["optim_state_dict_to_load"](
         model, optim, optim_state_dict, is_named_optimizer=is_named_optimizer,
         load_directly=False, group=group)

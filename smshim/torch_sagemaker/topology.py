@@ -53,13 +53,16 @@ def replicate_groups(d: Degrees) -> List[List[int]]:
 
 def build_mesh(d: Degrees, device_type: str):
     """The 4-D DeviceMesh plus flattened views: `shard` (FSDP), `dp` (all data-parallel ranks with
-    this mp rank) and `replica` (one whole model copy)."""
+    this mp rank) and `replica` (one whole model copy); with EP also `rep_mp` (the ranks that
+    hold the same shard of what EP does not split: every replica's EP ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, mesh_shape(d), mesh_dim_names=MESH_DIMS)
     mesh["dp_shard", "cp"]._flatten("shard")
     mesh["rep", "dp_shard", "cp"]._flatten("dp")
     mesh["dp_shard", "cp", "mp"]._flatten("replica")
+    if d.ep > 1:
+        mesh["rep", "mp"]._flatten("rep_mp")
     return mesh
 
 

@@ -4,8 +4,9 @@ torch's version (torch.distributed.checkpoint.optimizer) takes no process group:
 sharded state dicts it chunks every optimizer tensor over the whole world. Under hybrid sharding a
 rank holds 1/hybrid_shard_degree of each tensor, chunked over its sharding group, so replica ranks
 read the wrong slices (a resumed run diverged at its first step). This version chunks over
-`process_group` (the sharding group, `model.process_group`) and reads with it; without a group, or
-with the world's, or for 2-D (TP) layouts, it is torch's own. `tsm.init` puts it in place of
+`process_group` (the sharding group, `model.process_group`) and reads with it, whole for the
+parameters FSDP does not shard (DTensors in the model's state dict: experts kept out of FSDP);
+without a group, or with the world's, or for 2-D (TP) layouts, it is torch's own. `tsm.init` puts it in place of
 torch's module attribute, so `from torch.distributed.checkpoint.optimizer import
 load_sharded_optimizer_state_dict` done after `tsm.init` (or after `import torch.sagemaker` with
 init following) gets it; a name imported before that stays torch's.
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import optimizer as _upstream
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor
 
 _originals: Dict[str, Any] = {}
 
@@ -48,7 +50,11 @@ def load_sharded_optimizer_state_dict(model_state_dict, optimizer_key: str, stor
             state_dict[key] = "<bytes_io>"
             continue
         tensor = _upstream._alloc_tensor(value.properties, value.size, device_type)
-        if value.size.numel() == 1:
+        path = metadata.planner_data[key]
+        kept_out = len(path) > 2 and isinstance(model_state_dict.get(path[2]), DTensor)
+        if value.size.numel() == 1 or kept_out:
+            # (a DTensor in a 1-D FSDP state dict: a parameter FSDP does not shard, such as an
+            # expert kept out of FSDP; every rank of the group holds all of what it saved)
             state_dict[key] = tensor
         else:
             state_dict[key] = _create_chunk_sharded_tensor(
