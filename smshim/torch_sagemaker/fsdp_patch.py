@@ -206,10 +206,10 @@ def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any
 
 
 def _average_over(root: FSDP, group) -> None:
-    """NO_SHARD whose group is not every data-parallel rank (hybrid_shard_degree 1: each rank's
-    sharding group of one, `_groups_for`; with EP, one replica): the all-reduce NO_SHARD does over
-    its group is done over `group` instead, by a communication hook on every unit (FSDP calls it
-    with the gradient to reduce in place)."""
+    """NO_SHARD over a sharding group of one (hybrid_shard_degree 1, `_groups_for`; with EP, a
+    sharding group of one, `_expert_parallel_args`): the all-reduce NO_SHARD does over its group is
+    done over `group`, every rank holding the same parameters, by a communication hook on every
+    unit (FSDP calls it with the gradient to reduce in place)."""
     import torch.distributed as dist
     from torch.distributed.fsdp._traversal_utils import _get_fsdp_states
 
