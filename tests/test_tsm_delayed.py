@@ -2,6 +2,7 @@
 DelayedParamIniter's functions, exactly the weights eager construction gives with the same seed."""
 
 
+import pytest
 import torch
 
 from smshim.testing import run_ranks
@@ -79,17 +80,18 @@ def test_validation_names_what_is_left_on_meta():
         raise AssertionError("validation passed with every parameter on meta")
 
 
-def _finetune_flow():
+def _finetune_flow(hsd=2):
     """[FT]: rank 0 holds the pretrained weights, the others build on meta with a
     DelayedParamIniter; FSDP sync_module_states=True spreads rank 0's weights (HSDP: over the
-    sharding group and across replicas)."""
+    sharding group and across replicas; hybrid_shard_degree 1: over every rank, though FSDP's own
+    group is each rank alone)."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from accelerate import init_empty_weights
     from transformers import LlamaForCausalLM
 
     dist.init_process_group("gloo")
-    tsm.init({"hybrid_shard_degree": 2})
+    tsm.init({"hybrid_shard_degree": hsd})
     from torch.sagemaker.delayed_param import DelayedParamIniter
 
     extra = {}
@@ -106,8 +108,9 @@ def _finetune_flow():
     return h.full_state_dict(fsdp), [p.detach().clone() for p in fsdp.parameters()]
 
 
-def test_finetune_flow_spreads_rank0_weights():
-    results = run_ranks(_finetune_flow, 4, timeout=240)
+@pytest.mark.parametrize("hsd", [2, 1])
+def test_finetune_flow_spreads_rank0_weights(hsd):
+    results = run_ranks(_finetune_flow, 4, hsd, timeout=240)
     pretrained = h.make_llama(seed=3).state_dict()
     full, _ = results[0]
     for k, v in pretrained.items():

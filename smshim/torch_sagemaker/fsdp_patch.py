@@ -205,17 +205,29 @@ def _tensor_parallel_args(strategy: Optional[ShardingStrategy]) -> Dict[str, Any
     return args
 
 
-def _average_over(root: FSDP, group) -> None:
+def _average_over(root: FSDP, group, sync_module_states: bool) -> None:
     """NO_SHARD over a sharding group of one (hybrid_shard_degree 1, `_groups_for`; with EP, a
-    sharding group of one, `_expert_parallel_args`): the all-reduce NO_SHARD does over its group is
-    done over `group`, every rank holding the same parameters, by a communication hook on every
-    unit (FSDP calls it with the gradient to reduce in place)."""
+    sharding group of one, `_expert_parallel_args`): what NO_SHARD does over its group is done
+    over `group`, every rank holding the same parameters: the gradient all-reduce, by a
+    communication hook on every unit (FSDP calls it with the gradient to reduce in place), and
+    `sync_module_states=True`'s broadcast of the first rank's parameters and buffers (what FSDP
+    manages: not the experts EP keeps out)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp._traversal_utils import _get_fsdp_states
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles, _get_fsdp_states
 
     n = dist.get_world_size(group)
     if n == 1:
         return
+    if sync_module_states:
+        src = min(dist.get_process_group_ranks(group))
+        ignored = set(getattr(root, "_ignored_buffer_names", ()))
+        with torch.no_grad():
+            for handle in _get_fsdp_handles(root):
+                dist.broadcast(handle.flat_param.data, src, group=group)
+            for name, buffer in root.named_buffers():
+                if clean_tensor_name(name) not in ignored:
+                    dist.broadcast(buffer.data, src, group=group)
 
     def average(_hook_state, grad: torch.Tensor) -> None:
         grad.div_(n)
@@ -225,20 +237,21 @@ def _average_over(root: FSDP, group) -> None:
         fsdp_state._comm_hook, fsdp_state._comm_hook_state = average, None
 
 
-def _after_root_init(root: FSDP, module: torch.nn.Module) -> None:
+def _after_root_init(root: FSDP, module: torch.nn.Module, sync_module_states: bool) -> None:
     """What the job's degrees add to a script's root FSDP once it is built: gradient averaging
-    beyond FSDP's own groups (hybrid_shard_degree 1; experts, kept out of FSDP)."""
+    (and the start from the same weights) beyond FSDP's own groups (hybrid_shard_degree 1;
+    experts, kept out of FSDP)."""
     import torch.distributed as dist
 
     if state.expert_parallel_degree > 1:
         if state.mesh["shard"].size() == 1:
-            _average_over(root, dist.group.WORLD)
+            _average_over(root, dist.group.WORLD, sync_module_states)
         same_experts = state.mesh["dp"].get_group()
         if dist.get_world_size(same_experts) > 1:
             fsdp_expert_grads.average_over(
                 root, [p for m in _expert_modules(module) for p in m.parameters()], same_experts)
     elif state.hybrid_shard_degree == 1:
-        _average_over(root, state.mesh["dp"].get_group())
+        _average_over(root, state.mesh["dp"].get_group(), sync_module_states)
 
 
 def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
@@ -266,7 +279,7 @@ def _patched_init(self, module, *args, post_param_init_fn=None, **kwargs):
     if on_tp_mesh:
         keep_shards_inside_each_replica(self)
     if root:
-        _after_root_init(self, module)
+        _after_root_init(self, module, bool(kwargs.get("sync_module_states")))
     if root and _transformed(module):
         self._register_state_dict_hook(_translate_full_state_dict)
 
