@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import _runtime_utils
 from torch.distributed.tensor import DTensor
 
+from smshim.torch_sagemaker.fsdp_unsharded_tp import dtensor_like
+
 _EXPERTS = "_smshim_expert_grads"  # on the root FSDP module: (parameters, group, its size)
 _originals: Dict[str, Any] = {}
 
@@ -49,8 +51,7 @@ def _average(params: List[torch.nn.Parameter], group: dist.ProcessGroup, n: int)
         if g is not None:
             g.copy_(piece)
         elif isinstance(p, DTensor):
-            p.grad = DTensor.from_local(piece.clone(), p.device_mesh, p.placements,
-                                        shape=p.shape, stride=p.stride(), run_check=False)
+            p.grad = dtensor_like(p, piece.clone())
         else:
             p.grad = piece.clone()
 

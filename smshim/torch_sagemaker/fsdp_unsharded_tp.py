@@ -30,6 +30,12 @@ _originals: Dict[str, Any] = {}
 _HANDLE_METHODS = ("_use_unsharded_views", "_writeback_orig_params", "_use_sharded_grad_views")
 
 
+def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """`local` as this rank's part of a DTensor laid out like `param` (no communication)."""
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride(), run_check=False)
+
+
 def _tp_params(handle) -> Dict[int, Any]:
     return handle.__dict__.setdefault(_TP_PARAMS, {})
 
@@ -83,9 +89,7 @@ def _patched_use_sharded_grad_views(self) -> None:
     _originals["_use_sharded_grad_views"](self)
     for i, param in _tp_params(self).items():
         grad = self.flat_param._params[i].grad
-        param.grad = None if grad is None else DTensor.from_local(
-            grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
-            run_check=False)
+        param.grad = None if grad is None else dtensor_like(param, grad)
 
 
 def _patched_optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
@@ -112,9 +116,7 @@ def _patched_optim_state_dict_to_load(model, optim, optim_state_dict, is_named_o
                 value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
             elif value.shape != torch.Size(shape):
                 continue
-            values[name] = DTensor.from_local(value.contiguous(), param.device_mesh,
-                                              param.placements, shape=param.shape,
-                                              stride=param.stride(), run_check=False)
+            values[name] = dtensor_like(param, value.contiguous())
     if load_directly:
         optim.load_state_dict(converted)
     return converted

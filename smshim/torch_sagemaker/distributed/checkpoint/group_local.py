@@ -53,11 +53,11 @@ def _restrict(value, ranks: set):
                              f"dim {name!r}, which reaches ranks outside the group; save and load "
                              "over the world group (process_group=None) instead")
         d, n = pl.dim, mesh.size(i)
-        for k in keep:  # split TP-first (fsdp_shard_layout.py): a plain split of the TP slice
-            if _strided(value.placements[k], d, n):
-                placements[k] = Shard(d)
+        # split TP-first (fsdp_shard_layout.py): a plain split of the TP slice
+        strided = {k for k in keep if _strided(value.placements[k], d, n)}
+        placements.update((k, Shard(d)) for k in strided)
         if shape[d] % n or any(value.placements[k].is_shard(d) and mesh.size(k) > 1
-                               and not _strided(value.placements[k], d, n) for k in keep):
+                               for k in keep if k not in strided):
             raise ValueError(f"checkpoint over a sub-group: tensor of shape {tuple(value.shape)} "
                              f"split on dim {d} over {mesh.mesh_dim_names[i]!r} ({n}) and other "
                              "mesh dims: save over the world group instead")
