@@ -14,9 +14,10 @@ notebook offers, shrunk to a tiny GPT-2:
     in user_content: no switch needed) and continues from its step, still equal to the
     single-process run;
   * fp16 with clip_master_grads (pp2): trains, reports overflow, loss finite;
-  * --sharded_data_parallel_degree 2 (pp 1) on 2 and 4 processes (FSDP FULL_SHARD / HYBRID_SHARD):
-    a partial checkpoint per shard, and the full model equal to single-process training with the
-    gradient norm clipped to sdp_gradient_clipping's default 1.0;
+  * --sharded_data_parallel_degree 2 (pp 1) on 4 processes (FSDP HYBRID_SHARD): a partial
+    checkpoint per shard, and the full model equal to single-process training with the gradient
+    norm clipped to sdp_gradient_clipping's default 1.0; on 2 processes (FULL_SHARD) in bf16,
+    close to it (FULL_SHARD's equality is test_sharded_data_parallel.py's, in-process);
   * pp2 x tp2 x dp2 bf16 with shard_optimizer_state, and tp2 x pp2 with the distributed
     transformer (equal to single-process training after loading the Hugging Face weights through
     translate_hf_state_dict_to_smdistributed_gpt2): these need issue 35 part A and skip until
@@ -326,11 +327,11 @@ def test_sharded_data_parallel_degree_2_bf16(workspace):
     assert worst < 5e-2, worst
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_sharded_data_parallel_degree_2_equals_single_process(workspace, nprocs):
-    # The example's --sharded_data_parallel_degree 2 (pp 1): FULL_SHARD on 2 processes,
-    # HYBRID_SHARD over 2 replicas on 4. SMP clips the global gradient norm to
-    # sdp_gradient_clipping (default 1.0) before every step: the reference does too.
+def test_sharded_data_parallel_degree_2_equals_single_process(workspace):
+    # The example's --sharded_data_parallel_degree 2 (pp 1): HYBRID_SHARD over 2 replicas on 4
+    # processes. SMP clips the global gradient norm to sdp_gradient_clipping (default 1.0) before
+    # every step: the reference does too.
+    nprocs = 4
     run = f"sdp2x{nprocs}"
     r = _launch(workspace, nprocs, run, timeout=300, max_steps=2, checkpoint_freq=2,
                 sharded_data_parallel_degree=2)

@@ -21,7 +21,7 @@ from smshim.testing import RankFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "gpt_pipeline.py")
-STEPS = 40
+STEPS = 16
 KILL_AFTER = 4  # SIGKILL a worker once this many steps are checkpointed
 MP = {"partitions": 2, "microbatches": 2, "ddp": True, "deterministic_server": True}
 
@@ -72,7 +72,7 @@ def _run_job(tmp, name: str, kill: bool, timeout: float = 240.0) -> tuple:
     log_path = os.path.join(str(tmp), f"{name}.log")
     killed_at = None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp),
                                 start_new_session=True)
         deadline = time.monotonic() + timeout
         try:

@@ -25,16 +25,18 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
-                                    ShardingStrategy, StateDictType)
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from smshim.modelparallel.torch.errors import SMPValidationError
+
+# torch's FSDP is imported by the functions that use it: importing it costs ~1.2 s of CPU, which
+# `smshim run` would pay on every smp launch (it reads the smp config before any process starts).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ def wrap(module: nn.Module, layout: ShardLayout, device: torch.device, timeout: 
     """The module as one FSDP unit sharded over its replica's k ranks, starting from rank 0's
     values, computing in `compute_dtype` (None: the parameters' own). A collective: every rank
     calls it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+
     shard, replicate = make_groups(layout, timeout)
     hybrid = replicate is not None
     kwargs: Dict[str, Any] = dict(
@@ -126,6 +131,9 @@ def clip_grad_norm(wrapped: FSDP, max_norm: float, norm_type: float = 2.0) -> fl
 
 # ---- full state dicts (collectives) ------------------------------------------------------------
 def _full_context(wrapped: FSDP, rank0_only: bool):
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     # offload_to_cpu only off the CPU: on gloo, FSDP1 (torch 2.13) segfaults with it, and the
     # tensors are on the CPU already.
     offload = wrapped.compute_device.type != "cpu"
@@ -179,6 +187,8 @@ def _param_names(wrapped: FSDP, optimizer: torch.optim.Optimizer) -> List[str]:
 def full_optim_state_dict(wrapped: FSDP, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """torch's optimizer state dict of the unsharded model (indices over the optimizer's
     parameter order), on rank 0 ({} elsewhere). Every rank calls."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     with _full_context(wrapped, rank0_only=True):
         named = FSDP.optim_state_dict(wrapped, optimizer)
     if not named or dist.get_rank() != 0:
@@ -192,6 +202,8 @@ def full_optim_state_dict(wrapped: FSDP, optimizer: torch.optim.Optimizer) -> Di
 def load_full_optim_state_dict(wrapped: FSDP, optimizer: torch.optim.Optimizer,
                                sd: Dict[str, Any]) -> None:
     """Load torch's index-form optimizer state of the unsharded model (every rank, same dict)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     names = _param_names(wrapped, optimizer)
     if len(names) != sum(len(g["params"]) for g in sd["param_groups"]):
         raise SMPValidationError(
