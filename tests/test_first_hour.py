@@ -327,9 +327,7 @@ def test_pytorchddp_is_native_ddp(tmp_path):
           "--mode", "ddp"], tmp_path, env={"SMSHIM_CPU": "1"})
     for d in _params(tmp_path, 2):
         assert_close(d["params"], _want())
-    _run(["-n", "1", "--distribution", '{"pytorchddp": {"enabled": true}}', DUMP], tmp_path)
-    fw = json.loads(json.load(open(tmp_path / "rank0.json"))["env"]["SM_FRAMEWORK_PARAMS"])
-    assert fw["sagemaker_pytorch_ddp_enabled"] is True
+        assert json.loads(d["framework_params"])["sagemaker_pytorch_ddp_enabled"] is True
 
 
 def test_pytorchxla_without_torch_xla_says_what_to_use(tmp_path):

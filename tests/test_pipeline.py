@@ -79,8 +79,10 @@ def _check(results, kind, batch=8):
                 assert torch.equal(p, twin["params"][n]), (n, d)
 
 
+# One microbatch is one schedule (its forward, then its backward): `simple` stands for both.
 CASES = [(pp, m, sched, part) for pp, m, sched, part in itertools.product(
-    [2, 4], [1, 2, 4, 8], ["simple", "interleaved"], ["auto", "manual"])]
+    [2, 4], [1, 2, 4, 8], ["simple", "interleaved"], ["auto", "manual"])
+    if not (m == 1 and sched == "interleaved")]
 
 
 @pytest.mark.parametrize("pp, m, sched, part", CASES)

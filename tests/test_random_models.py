@@ -14,7 +14,7 @@ import pytest
 
 from tests.random_models import covering_seeds, features, make_case, run_case
 
-FIRST = 32
+FIRST = 20
 SEEDS = covering_seeds(FIRST)
 EXTRA = os.environ.get("SMSHIM_RANDOM_MODELS", "")
 if EXTRA:

@@ -87,7 +87,8 @@ else:
 
 path = os.path.join(out_dir, f"params_rank{rank}.pt")
 torch.save({"params": params, "dp_rank": dp_rank, "cuda": torch.cuda.is_available(),
-            "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}, path)
+            "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            "framework_params": os.environ.get("SM_FRAMEWORK_PARAMS")}, path)
 back = torch.load(path, map_location="cuda:0")  # a GPU script's reload, unchanged
 assert all(t.device.type == "cpu" for t in back["params"].values())
 print(f"rank {rank} done", flush=True)
