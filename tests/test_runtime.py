@@ -164,10 +164,10 @@ def _listeners(out: str) -> list:
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` to list listening sockets")
-def test_single_node_smshim_run_listens_on_loopback_only():
+def test_single_node_smshim_run_listens_on_loopback_only(tmp_path):
     """The launcher's rendezvous store, the workers' shared store and every gloo group."""
     out = run_command([sys.executable, "-m", "smshim", "run", "-n", "2", LISTENING], timeout=120,
-                      env=NO_LAUNCHER).stdout
+                      env=NO_LAUNCHER, cwd=str(tmp_path)).stdout
     found = _listeners(out)
     assert len({pid for _, _, pid in found}) == 3, out  # the launcher and both workers listen
     assert all(addr == "127.0.0.1" for addr, _, _ in found), out
