@@ -143,7 +143,8 @@ def _config(argv, monkeypatch):
     return cli.prepare(cli._parser().parse_args(["run", *argv, DUMP]))[0]
 
 
-def test_max_restarts_reaches_the_elastic_agent(monkeypatch):
+def test_max_restarts_reaches_the_elastic_agent(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # `prepare` makes the job's directories under ./smshim_output
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     one = _config(["-n", "2", "--max-restarts", "3"], monkeypatch)
     assert one.max_restarts == 3
