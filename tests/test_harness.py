@@ -141,3 +141,17 @@ def test_auto_workers_are_capped_by_cores_memory_and_eight(monkeypatch, cpus, me
     monkeypatch.setattr(os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE"
                         else mem_gib * 2**30 // page)
     assert conftest.pytest_xdist_auto_num_workers(None) == workers
+
+
+def test_smshim_modules_have_bytecode_even_under_dont_write_bytecode():
+    # The ranks and workers the tests start read smshim's bytecode instead of compiling it each
+    # (conftest.py compiles it when PYTHONDONTWRITEBYTECODE keeps imports from doing so).
+    import importlib.util
+    import sys
+
+    files = [m.__file__ for name, m in list(sys.modules.items())
+             if name.split(".")[0] == "smshim" and getattr(m, "__file__", None)
+             and m.__file__.endswith(".py")]
+    assert files
+    missing = [f for f in files if not os.path.exists(importlib.util.cache_from_source(f))]
+    assert not missing, f"no bytecode for {missing[:3]} (dont_write_bytecode={sys.dont_write_bytecode})"
