@@ -18,11 +18,11 @@ if "XDG_CONFIG_HOME" not in os.environ:
     os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
 os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
-# Under PYTHONDONTWRITEBYTECODE (set in some CI images) no process caches the bytecode of what it
-# imports, and smshim is installed editable, so pip compiled none of it: every rank and launched
-# worker the tests start (thousands) would compile smshim's modules from source again, ~0.5 s of
-# CPU each, 12 % of the suite's time (measured). Compile them once here; the flag only stops
-# imports from writing bytecode, not from reading it.
+# Under PYTHONDONTWRITEBYTECODE (the development machine's shell sets it; a CI image may too) no
+# process caches the bytecode of what it imports, and smshim is installed editable, so pip compiled
+# none of it: every rank and launched worker the tests start would compile smshim's modules from
+# source again, ~0.5 s of CPU each, 12 % of the suite's time (measured). Compile them once here;
+# the flag only stops imports from writing bytecode, not from reading it.
 import sys  # noqa: E402
 
 if sys.dont_write_bytecode:
