@@ -31,8 +31,9 @@ if sys.dont_write_bytecode:
 
     import smshim
 
-    _root = Path(smshim.__file__).resolve().parent.parent
-    for _dir in (_root / "smshim", _root / "tests", _root / "examples"):
+    # The package where it is installed; the tests' and examples' helpers in this checkout.
+    _checkout = Path(__file__).resolve().parent.parent
+    for _dir in (Path(smshim.__file__).resolve().parent, _checkout / "tests", _checkout / "examples"):
         if _dir.is_dir():
             compileall.compile_dir(_dir, quiet=1)
 
