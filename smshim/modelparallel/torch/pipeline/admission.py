@@ -53,7 +53,7 @@ class Admission:
         if mb in self._admitted:  # (every forward of a microbatch after its first: it stays so)
             return
         deadline = time.monotonic() + self.timeout_s
-        with self._cond:
+        with self._cond_lock:
             while not self._admissible_locked(mb):
                 self._runq.step_down()  # (what it waits for may be queued behind it)
                 self.transport.check()
@@ -85,7 +85,7 @@ class Admission:
         schedule does not admit yet: it stays queued (no thread waits in `_admit` for it)."""
         if msg.kind != FWD_REQ or msg.src != 0:
             return True
-        with self._cond:
+        with self._cond_lock:
             return self._admissible_locked(msg.microbatch)
 
 

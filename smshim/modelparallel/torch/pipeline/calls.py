@@ -275,7 +275,7 @@ class CallerSide:
         reply = "data" if sync else ("meta" if pred is None else None)
         enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
         if not sync:
-            with self._cond:
+            with self._cond_lock:
                 self._visited[call.microbatch].add(call.owner)
                 for r, h in zip(call.requires, call.remote_in):
                     if r and not h:

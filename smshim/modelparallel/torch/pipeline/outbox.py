@@ -14,7 +14,10 @@ class Outbox:
     """Messages queued for one peer, and the frames posted to it that may still be in flight."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()  # guards everything but `posting`
+        # `lock` guards everything but `posting`; taken as `with box.lock` (Condition's `with`
+        # is a Python call, and every message sent enters it), waited on through `cond`.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.items: List[tuple] = []  # (message, done event or None), not yet posted
         self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
         self.last_deadline = -NEVER  # the latest hold_until set

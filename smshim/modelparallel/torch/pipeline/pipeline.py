@@ -114,9 +114,10 @@ class Pipeline:
         # The caller's thread waits on _cond (for the step's end); bodies wait at the gate for
         # their backward's permission, woken only when it may have come: with every body
         # notified of every change, m bodies waiting cost m thread switches per change.
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)
-        self._backward_gate = threading.Condition(lock)
+        # (Their lock is taken as `with self._cond_lock`: Condition's `with` is a Python call.)
+        self._cond_lock = threading.Lock()
+        self._cond = threading.Condition(self._cond_lock)
+        self._backward_gate = threading.Condition(self._cond_lock)
         self._schedule: Optional[Schedule] = None
         self._forwards_done = 0
         # pp_rank 0's step in progress, guarded by _cond: microbatches started and finished
@@ -128,7 +129,7 @@ class Pipeline:
         self._job: Optional[Callable[[int], None]] = None  # runs one microbatch's body
 
     def _wake(self) -> None:
-        with self._cond:
+        with self._cond_lock:
             self._cond.notify_all()
             self._backward_gate.notify_all()
 
@@ -159,7 +160,7 @@ class Pipeline:
     def _count_live(self, mb: int) -> None:
         """Microbatch `mb` starts its forward with grad enabled: rank 0 holds its activations
         until its backward is over (for the memory benchmark)."""
-        with self._cond:
+        with self._cond_lock:
             self._live.add(mb)
             self.server.peak_live_microbatches = max(self.server.peak_live_microbatches,
                                                      len(self._live))
@@ -220,7 +221,7 @@ class Pipeline:
                 ctx.in_step = ctx.driver = False  # (the thread goes on to other work)
                 self.server.turns.backward_begun(mb)  # (if it never called model.backward)
                 self.server.turns.forward_over(mb)
-                with self._cond:
+                with self._cond_lock:
                     self._finished += 1
                     self._backward_over_locked(mb)
 
@@ -231,7 +232,7 @@ class Pipeline:
                 returned[mb].set()
 
         returned = [threading.Event() for _ in range(m)]
-        with self._cond:
+        with self._cond_lock:
             # A microbatch stops counting against rank 0's limit when its backward here is done
             # (its activations are gone), not when its body has fetched its results; the body
             # that made room starts the next one (_backward_over_locked).
@@ -282,7 +283,7 @@ class Pipeline:
         # priority after a wait (and records no span while it only waits).
         priority, key = schedule.priority(BACKWARD, mb), (BACKWARD, mb)
         self.lock.tag(priority, key)
-        with self._backward_gate:
+        with self._cond_lock:
             waits = not may_start()
         if waits or schedule.backwards_begin_in_order:
             # The forward's calls leave before this thread waits. (If it need not wait, they
@@ -324,7 +325,7 @@ class Pipeline:
                 self.lock.release()
         self.server.turns.backward_begun(mb)  # (if it called no module)
         self.server.send_held()
-        with self._cond:
+        with self._cond_lock:
             self._backward_over_locked(mb)
 
     def _mark_forward_done(self, mb: int) -> None:
@@ -336,7 +337,7 @@ class Pipeline:
         self.server.forward_done(mb)
         # Only the bodies at the gate wait on the count (the caller's thread admits microbatches
         # by backwards finished, not forwards done).
-        with self._backward_gate:
+        with self._cond_lock:
             self._forwards_done += 1
             if self._schedule.may_start_backward(self._forwards_done):
                 self._backward_gate.notify_all()

@@ -151,8 +151,11 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self.function_factory: Optional[Callable[[str], Optional[Callable[..., Any]]]] = None
         self._instance_forward: Dict[int, Callable[..., Any]] = {}
         # Per-microbatch bookkeeping, under one condition: requests received and not yet served,
-        # forwards among them, graphs kept, and what pp_rank 0 said is over.
-        self._cond = threading.Condition()
+        # forwards among them, graphs kept, and what pp_rank 0 said is over. Its lock is taken
+        # as `with self._cond_lock` (Condition's own `with` is a Python call each way, and the
+        # serving path enters it several times per request).
+        self._cond_lock = threading.RLock()
+        self._cond = threading.Condition(self._cond_lock)
         self._requests: collections.Counter = collections.Counter()
         self._forwards: collections.Counter = collections.Counter()
         self._graphs: collections.Counter = collections.Counter()
@@ -256,7 +259,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         if kind == VALUE:
             self.store.put(msg.meta, msg.tensors[0], msg.microbatch)
         elif kind in (FWD_REQ, BWD_REQ):
-            with self._cond:
+            with self._cond_lock:
                 self._requests[msg.microbatch] += 1
                 if kind == FWD_REQ:
                     self._forwards[msg.microbatch] += 1
@@ -294,19 +297,19 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
                 return
             box.put(msg)
         elif kind == FWD_DONE:
-            with self._cond:
+            with self._cond_lock:
                 self._fwd_done.add(msg.microbatch)
                 self._release_if_done(msg.microbatch)
                 self._cond.notify_all()
             self._runq.poke(here=True)  # (a queued forward may now be admitted)
         elif kind == MB_DONE:
-            with self._cond:
+            with self._cond_lock:
                 self._mb_done.add(msg.microbatch)
                 self._fwd_done.add(msg.microbatch)
                 self._drop_if_done(msg.microbatch)
             self._runq.poke(here=True)
         elif kind == NESTED_DONE:
-            with self._cond:
+            with self._cond_lock:
                 self._nested_done.add(msg.src)
                 self._cond.notify_all()
         elif kind == STEP_END:
@@ -322,7 +325,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
             box.put(Message("error", meta=str(exc)))
         self.store.fail(exc)
         self.lock.clear_places()
-        with self._cond:
+        with self._cond_lock:
             self._cond.notify_all()
         self.turns.wake_all()
         self.step_end.put(Message("error", meta=str(exc)))

@@ -188,7 +188,7 @@ class OwnerSide:
         """A request is over (served, or failed): it counts no more."""
         if getattr(msg, "place", None) is not None:
             self.lock.give_up(msg.place)  # (if it failed before taking it)
-        with self._cond:
+        with self._cond_lock:
             self._requests[msg.microbatch] -= 1
             if msg.kind == FWD_REQ:
                 self._forwards[msg.microbatch] -= 1
@@ -323,7 +323,7 @@ class OwnerSide:
                                    through=through, retain=retain)
         finally:
             if ticket is not None:
-                with self._cond:
+                with self._cond_lock:
                     self._turn += 1
                     self._cond.notify_all()
 
@@ -370,7 +370,7 @@ class OwnerSide:
                     else self._real(t) for t in outs]
             out_rg = [grad_enabled and t.requires_grad for t in outs]
             if any(out_rg):
-                with self._cond:
+                with self._cond_lock:
                     self._forward_microbatches.add(mb)
                     self._saved[(caller, call_id)] = (inputs, outs, mb, links, below)
                     if caller == 0:  # (a nested call's graph lives until the step's end)
@@ -399,7 +399,7 @@ class OwnerSide:
         one but which the outputs' gradients did not reach), after `deliver(in_grads)`, which
         runs before the compute lock is given up. `retain`: the graphs stay for another backward
         (until the microbatch is over)."""
-        with self._cond:
+        with self._cond_lock:
             saved = self._graph_locked((caller, call_id), retain)
             if saved is None:
                 return []
@@ -428,7 +428,7 @@ class OwnerSide:
                 if pairs:
                     self._chain(hold, BACKWARD, mb, caller)
         finally:
-            with self._cond:
+            with self._cond_lock:
                 self._backwards_running -= 1
                 if caller == 0 and not retain:
                     self._graphs[mb] -= 1
@@ -455,7 +455,7 @@ class OwnerSide:
         call below the one whose inputs are `above_inputs`; returns its inputs, links and the
         call it is joined to. `joined`: the call above took this one's outputs into its graph
         (`_join`), and the backward above went through it already."""
-        with self._cond:
+        with self._cond_lock:
             saved = self._graph_locked((caller, call_id), retain)
             if saved is not None and caller == 0 and not retain:
                 self._graphs[mb] -= 1

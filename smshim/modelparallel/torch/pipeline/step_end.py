@@ -39,7 +39,7 @@ class StepEnd:
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
         self.lock.clear_places()  # (none are left but after a failed step)
-        with self._cond:
+        with self._cond_lock:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
                       self._pushers, self._nested_done, self._open_chains):
                 s.clear()
@@ -94,7 +94,7 @@ class StepEnd:
         else fail the pipeline with `error()`. `step_down`: the thread runs a request, and what
         it waits for may be queued behind it (RunQueue.step_down)."""
         deadline = time.monotonic() + self.timeout_s
-        with self._cond:
+        with self._cond_lock:
             while not done():
                 if step_down:
                     self._runq.step_down()
@@ -114,7 +114,7 @@ class StepEnd:
     def end_step(self) -> None:
         """Drop graphs whose backward never came (outputs unused, or an eval step) and every
         value kept for the step."""
-        with self._cond:
+        with self._cond_lock:
             self._saved.clear()
         self.weight_grads.flush()  # (nothing is left: the step's end flushed before reducing)
         self.weight_grads.active = False
@@ -151,7 +151,7 @@ class StepEnd:
         whose owner will push this rank a gradient of the microbatch comes with that gradient:
         a frame less each way per microbatch (on one core per rank, 13 % of a step of tiny
         modules), and this rank's backward waits for that gradient anyway."""
-        with self._cond:
+        with self._cond_lock:
             pushers = self._pushers.pop(ctx.microbatch, set())
         for t in tensors:
             if isinstance(t, RemoteTensor) and math.prod(t.shape) <= _PREFETCH_NUMEL:
@@ -164,7 +164,7 @@ class StepEnd:
         take the next microbatch."""
         for chain in self._open_chains.pop(mb, ()):
             chain.inputs = None  # (see `_Chain`: no call links to it now)
-        with self._cond:
+        with self._cond_lock:
             visited = self._visited.pop(mb, set())
         for peer in self.transport.peers:
             if peer not in visited:

@@ -255,7 +255,7 @@ class Transport:
         self.check()
         self._count(peer, msg)
         box = self._outbox[peer]
-        with box.cond:
+        with box.lock:
             box.items.append((msg, None))
             if box.hold_until is None:
                 box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
@@ -287,7 +287,7 @@ class Transport:
         for msg in msgs:
             self._count(peer, msg)
         box = self._outbox[peer]
-        with box.cond:
+        with box.lock:
             box.items.extend((msg, None) for msg in msgs[:-1])
             box.items.append((msgs[-1], done))
         self._post(peer, box)
@@ -317,7 +317,7 @@ class Transport:
         it already). Frames to a peer are posted one at a time, each with what was queued
         before it, so they leave in the order their messages were queued."""
         with box.posting:
-            with box.cond:
+            with box.lock:
                 batch, box.items, box.hold_until = box.items, [], None
             if not batch:
                 return
@@ -346,7 +346,7 @@ class Transport:
                 for d in dones:
                     d.set()
                 return
-            with box.cond:
+            with box.lock:
                 box.posted.append((works, keep, dones, what))
                 if dones or len(box.posted) > _MAX_POSTED:
                     box.cond.notify()  # the sender thread waits for them (see _send_loop)
@@ -365,7 +365,7 @@ class Transport:
         and the threads that send wait only when they ask to (`wait`)."""
         box = self._outbox[peer]
         while True:
-            with box.cond:
+            with box.lock:
                 while True:
                     if self._shutdown:
                         return
@@ -400,7 +400,7 @@ class Transport:
                         work.wait()
                 except Exception as e:  # noqa: BLE001
                     self._send_failed(peer, what, e)
-                with box.cond:
+                with box.lock:
                     box.posted.popleft()
                 for d in dones:
                     d.set()
@@ -582,7 +582,7 @@ class Transport:
         for sem in self._session_starts.values():
             sem.release()
         for box in self._outbox.values():
-            with box.cond:
+            with box.lock:
                 box.cond.notify_all()
         self._receivers.stop()
         deadline = time.monotonic() + join_timeout_s
