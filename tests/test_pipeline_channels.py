@@ -121,6 +121,7 @@ def _bare_transport(channel):
     t.me, t.ranks, t.device = 0, [0, 1], torch.device("cpu")
     t._groups, t._group_rank = (wire, wire), {0: 0, 1: 1}
     t._apart, t.sent_apart, t._frames = channel, collections.Counter(), {}
+    t.sent_messages, t.sent_bytes = collections.Counter(), collections.Counter()
     return t, wire
 
 

@@ -70,6 +70,15 @@ HOLD_S = 0.005
 _LINGER_S = 0.05
 
 
+class _Holding(threading.local):
+    """Per thread: the peers it holds messages for (`Transport.send`'s `hold`), and whether it
+    is inside `Transport.together`."""
+
+    def __init__(self) -> None:
+        self.peers: List[int] = []
+        self.together = False
+
+
 class Transport:
     """Point-to-point messages among `ranks` (global ranks of one PP group, in pp-rank order)."""
 
@@ -118,7 +127,7 @@ class Transport:
         self._frames: Dict[int, tuple] = {}
         self.peers = [p for p in range(len(ranks)) if p != self.me]
         self._outbox: Dict[int, Outbox] = {}
-        self._holding = threading.local()  # .peers: see _held_peers
+        self._holding = _Holding()
         for peer in self.peers:
             self._outbox[peer] = Outbox()
             t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
@@ -240,11 +249,11 @@ class Transport:
                 self._wait_sent(done)
             return
         self.check()
-        held = self._held_peers()
-        if held and peer not in held and not getattr(self._holding, "together", False):
+        held = self._holding.peers
+        if held and peer not in held and not self._holding.together:
             # The calls moved on to another stage: the previous one's have all been issued.
             self.flush()
-        self.send_later(peer, msg)
+        self._queue(peer, msg)
         if peer not in held:
             held.append(peer)
 
@@ -253,7 +262,10 @@ class Transport:
         at the latest `hold_s` from now; unlike `send(hold=True)`, the calling thread's `flush`
         does not post it (pp_rank 0's last MB_DONE leaves with the step's end)."""
         self.check()
-        self._count(peer, msg)
+        self._queue(peer, msg)
+
+    def _queue(self, peer: int, msg: Message) -> None:
+        """`send_later`, checked."""
         box = self._outbox[peer]
         with box.lock:
             box.items.append((msg, None))
@@ -273,19 +285,11 @@ class Transport:
             self._holding.together = False
             self.flush()
 
-    def _count(self, peer: int, msg: Message) -> None:
-        key = (msg.kind, peer)
-        self.sent_messages[key] += 1
-        if msg.tensors:
-            self.sent_bytes[key] += _nbytes(msg)
-
     def _send(self, peer: int, msgs: List[Message],
               done: Optional[threading.Event]) -> Optional[threading.Event]:
         """Post `msgs`, in one frame with what is queued before them; `done` is set once they
         have left."""
         self.check()
-        for msg in msgs:
-            self._count(peer, msg)
         box = self._outbox[peer]
         with box.lock:
             box.items.extend((msg, None) for msg in msgs[:-1])
@@ -300,17 +304,10 @@ class Transport:
 
     def flush(self) -> None:
         """Send what this thread held (`send(hold=True)`) now, as one frame per peer."""
-        held = self._held_peers()
+        held = self._holding.peers
         while held:
             peer = held.pop()
             self._post(peer, self._outbox[peer])
-
-    def _held_peers(self) -> List[int]:
-        """Peers the calling thread holds messages for (see `send`'s `hold`)."""
-        held = getattr(self._holding, "peers", None)
-        if held is None:
-            held = self._holding.peers = []
-        return held
 
     def _post(self, peer: int, box: "Outbox") -> None:
         """Post everything queued for `peer` as one frame (nothing if another thread has taken
@@ -416,15 +413,20 @@ class Transport:
         which must live until they complete."""
         headers, body, apart = [], [], []
         channel = self._apart
+        counts, nbytes = self.sent_messages, self.sent_bytes  # (counted here: no call per message)
         for msg in msgs:
+            key = (msg.kind, peer)
+            counts[key] += 1
             metas = []
             for t in msg.tensors:
                 if channel is not None and channel.takes(t):
                     metas.append((tuple(t.shape), t.dtype, APART))
                     apart.append(t)
+                    nbytes[key] += t.numel() * t.dtype.itemsize
                     continue
                 arr = _as_bytes(t)
                 metas.append((tuple(t.shape), t.dtype, arr.size))
+                nbytes[key] += arr.size
                 if arr.size:
                     body.append(arr)
             # A plain tuple: pickled and unpickled in half the time of the dataclass.
