@@ -8,7 +8,10 @@ see the same machine load:
 - smshim: `smp.DistributedModel(model)` with pp = p, `m` microbatches, schedule `simple` or
   `interleaved`; the model as written (every block its own module, the root's forward a loop),
   partitioned manually (`manual`: blocks split evenly in order, the head with the last ones, by
-  `smp.set_partition`) or automatically (`auto`);
+  `smp.set_partition`) or automatically (`auto`); or, for comparison, the same split written as
+  one module per stage (`stages`: the root's forward makes one remote call per microbatch and
+  stage instead of one per block, the floor of what serving a stage's calls together could
+  reach);
 - torch.distributed.pipelining: `PipelineStage`s built from the same blocks (same split),
   `ScheduleGPipe` for `simple`, `Schedule1F1B` for `interleaved`, loss on the last stage;
 - one process: the whole model on rank 0 on the same global batch, the other ranks waiting.
@@ -19,7 +22,7 @@ from the same weights and see the same batches; the benchmark asserts that smshi
 losses equal the single-process ones at every step. smshim's transport counters give the messages
 and bytes each rank sent to each other rank per step.
 
-    python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto]
+    python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto stages]
                                              [--d 512] [--batch 128] [--pin] [--same-scheduling]
 
 `--d 16 --batch 64 --m 8 32` makes the blocks tiny: the step is then almost all the engines'
@@ -44,7 +47,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -111,6 +114,40 @@ class Stage(nn.Module):
         return self.fc(x) if self.fc is not None else x
 
 
+class _Chunk(nn.Module):
+    """`stages`: a later stage's blocks as one module (the last one's with the head and loss)."""
+
+    def __init__(self, blocks, head: Optional[Head]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets) if self.head is not None else x
+
+
+class StagedMLP(nn.Module):
+    """`stages`: the same blocks and split, written as pp_rank 0's blocks and one module per
+    later stage, so that the root's forward makes one remote call per microbatch and stage."""
+
+    def __init__(self, model: MLP, p: int) -> None:
+        super().__init__()
+        n = BLOCKS // p
+        self.blocks = nn.ModuleList(model.blocks[:n])
+        self.stages = nn.ModuleList(_Chunk(model.blocks[k * n:(k + 1) * n],
+                                           model.head if k == p - 1 else None)
+                                    for k in range(1, p))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        for stage in self.stages:
+            x = stage(x, targets)
+        return x
+
+
 def make_model(d: int = D) -> MLP:
     torch.manual_seed(0)
     return MLP(d)
@@ -130,12 +167,15 @@ def _smshim_setup(p: int, m: int, schedule: str, partition: str, d: int = D):
     if schedule == "simple":
         cfg["active_microbatches"] = m  # else smp switches simple to interleaved
     smp.init(cfg)
-    module = make_model(d)
+    module = StagedMLP(make_model(d), p) if partition == "stages" else make_model(d)
     model = smp.DistributedModel(module)
     if partition == "manual":
         for i, block in enumerate(module.blocks):
             smp.set_partition(block, i // (BLOCKS // p))
         smp.set_partition(module.head, p - 1)
+    elif partition == "stages":
+        for k, stage in enumerate(module.stages, start=1):
+            smp.set_partition(stage, k)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
 
     @smp.step
@@ -226,7 +266,7 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     # Frames (one gloo send each, the messages queued together): what costs CPU per message.
     per_step.update({f"frames->{peer}": n / steps
                      for peer, n in (Counter(transport.sent_frames) - frames_before).items()})
-    owned = sorted({n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks.") else "")
+    owned = sorted({n.split(".")[0] + ("." + n.split(".")[1] if n.startswith(("blocks.", "stages.")) else "")
                     for n, _ in model.local_named_parameters()})
     peak = model._pipeline.server.peak_live_microbatches
     smp.reset()
@@ -310,7 +350,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--partitions", nargs="+", default=["manual", "auto"],
-                    choices=["manual", "auto"])
+                    choices=["manual", "auto", "stages"],
+                    help="stages: the same split written as one module per stage (a remote call "
+                         "per microbatch and stage instead of one per block)")
     ap.add_argument("--schedules", nargs="+", default=["simple", "interleaved"],
                     choices=["simple", "interleaved"])
     ap.add_argument("--d", type=int, default=D, help="block width")
