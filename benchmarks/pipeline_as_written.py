@@ -24,6 +24,11 @@ and bytes each rank sent to each other rank per step.
 
     python benchmarks/pipeline_as_written.py [--p 2 4] [--m 4 8] [--steps 10] [--partitions manual auto stages]
                                              [--d 512] [--batch 128] [--pin] [--same-scheduling]
+                                             [--block 10]
+
+`--block K`: after the warm-up the systems take turns every K steps instead of every step (each
+still takes the batches in order), so that a step does not always start with caches that the
+other systems' steps filled.
 
 `--d 16 --batch 64 --m 8 32` makes the blocks tiny: the step is then almost all the engines'
 own work around each module call (what many microbatches of a small model cost), and the
@@ -225,8 +230,24 @@ def pin_rank_to_core() -> None:
     os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
 
 
+def run_order(n: int, warmup: int, block: int, names: List[str]) -> List[tuple]:
+    """(batch index, system) in the order they run: each system takes every batch in order; the
+    systems take turns every step during the warm-up and then every `block` steps, the one
+    that goes first rotating, so that all see the same machine. (With `block` 1 each step
+    starts with caches that the other systems' steps filled; in blocks, as in a job that runs
+    one of them, only a block's first step does.)"""
+    order = []
+    for i in range(warmup):
+        order += [(i, name) for name in names[i % 3:] + names[:i % 3]]
+    for b, start in enumerate(range(warmup, n, block)):
+        for name in names[b % 3:] + names[:b % 3]:
+            order += [(i, name) for i in range(start, min(start + block, n))]
+    return order
+
+
 def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: int,
-             d: int = D, batch: int = BATCH, pin: bool = False, same_scheduling: bool = False):
+             d: int = D, batch: int = BATCH, pin: bool = False, same_scheduling: bool = False,
+             block: int = 1):
     import resource
 
     import torch.distributed as dist
@@ -237,29 +258,32 @@ def _compare(p: int, m: int, schedule: str, partition: str, warmup: int, steps: 
     rank = dist.get_rank()
     systems = {"smshim": ours, "torch": _torch_setup(p, m, schedule, rank, d),
                "single": single_process_step(make_model(d), LR) if rank == 0 else None}
-    times: Dict[str, List[float]] = {k: [] for k in systems}
-    cpu: Dict[str, List[float]] = {k: [] for k in systems}
-    switches: Dict[str, List[int]] = {k: [] for k in systems}  # this process's thread switches
-    losses: Dict[str, List[float]] = {k: [] for k in systems}
+    n = warmup + steps
+    times: Dict[str, List[float]] = {k: [math.nan] * n for k in systems}
+    cpu: Dict[str, List[float]] = {k: [math.nan] * n for k in systems}
+    switches: Dict[str, List[int]] = {k: [0] * n for k in systems}  # this process's switches
+    losses: Dict[str, List[float]] = {k: [math.nan] * n for k in systems}
     sent_before: Counter = Counter()
     frames_before: Counter = Counter()
-    for i, (x, targets) in enumerate(make_batches(warmup + steps, d, batch)):
-        order = list(systems)[i % 3:] + list(systems)[:i % 3]
-        for name in order:
-            scheduled_as_shipped(name, same_scheduling)
-            dist.barrier()
-            u0 = resource.getrusage(resource.RUSAGE_SELF)
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn = systems[name]
-            loss = fn(x, targets) if fn is not None else math.nan
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-            u1 = resource.getrusage(resource.RUSAGE_SELF)
-            switches[name].append(u1.ru_nvcsw + u1.ru_nivcsw - u0.ru_nvcsw - u0.ru_nivcsw)
-            losses[name].append(loss)
-        if i == warmup - 1:
+    batches = make_batches(n, d, batch)
+    counted = False
+    for i, name in run_order(n, warmup, block, list(systems)):
+        if i >= warmup and not counted:  # (the warm-up is over: smshim's counts from here)
             sent_before = Counter(model._pipeline.transport.sent_messages)
             frames_before = Counter(model._pipeline.transport.sent_frames)
+            counted = True
+        x, targets = batches[i]
+        scheduled_as_shipped(name, same_scheduling)
+        dist.barrier()
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn = systems[name]
+        loss = fn(x, targets) if fn is not None else math.nan
+        times[name][i] = time.perf_counter() - t0
+        cpu[name][i] = time.process_time() - c0
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        switches[name][i] = u1.ru_nvcsw + u1.ru_nivcsw - u0.ru_nvcsw - u0.ru_nivcsw
+        losses[name][i] = loss
     transport = model._pipeline.transport
     per_step = {f"{kind}->{peer}": n / steps
                 for (kind, peer), n in (Counter(transport.sent_messages) - sent_before).items()}
@@ -358,6 +382,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=D, help="block width")
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch")
     ap.add_argument("--pin", action="store_true", help="rank r on core r mod cores")
+    ap.add_argument("--block", type=int, default=1,
+                    help="the systems take turns every BLOCK measured steps (1: every step)")
     ap.add_argument("--same-scheduling", action="store_true",
                     help="torch and one process scheduled as smshim's pipeline runs its threads "
                          "(SCHED_BATCH, its rank's cores)")
@@ -384,7 +410,7 @@ def main() -> None:
                     continue  # one auto-partitioned layout (pp = 2) is enough to show it
                 for schedule in a.schedules:
                     res = run_ranks(_compare, p, p, m, schedule, partition, a.warmup, a.steps,
-                                    a.d, a.batch, a.pin, a.same_scheduling,
+                                    a.d, a.batch, a.pin, a.same_scheduling, a.block,
                                     timeout=900)
                     rows.append(_summarise(res, p, m, schedule, partition))
                     r = rows[-1]
@@ -396,7 +422,8 @@ def main() -> None:
           f"{a.batch}; one thread per process{'; pinned' if a.pin else ''}"
           f"{'; every system scheduled as smshim' if a.same_scheduling else ''}; median of "
           f"{a.steps} "
-          f"steps after {a.warmup} warm-up; "
+          f"steps after {a.warmup} warm-up"
+          f"{f', the systems in turns of {a.block} steps' if a.block > 1 else ''}; "
           f"load avg at start {load[0]:.2f}")
     print(f"{'p':>2} {'m':>3} {'partition':<9} {'schedule':<12} {'smshim ms':>9} {'torch ms':>9} "
           f"{'single ms':>9} {'ours/torch':>10} {'ours/single':>11} {'torch/single':>12} "
@@ -430,7 +457,7 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump({"d": a.d, "blocks": BLOCKS, "batch": a.batch, "pinned": a.pin,
                    "same_scheduling": a.same_scheduling,
-                   "steps": a.steps, "warmup": a.warmup,
+                   "steps": a.steps, "warmup": a.warmup, "block": a.block,
                    "load_avg_start": load, "load_avg_end": os.getloadavg(), "wall_s": wall,
                    "rows": rows}, f, indent=1, default=str)
 
