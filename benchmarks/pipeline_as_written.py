@@ -240,7 +240,8 @@ def run_order(n: int, warmup: int, block: int, names: List[str]) -> List[tuple]:
     for i in range(warmup):
         order += [(i, name) for name in names[i % 3:] + names[:i % 3]]
     for b, start in enumerate(range(warmup, n, block)):
-        for name in names[b % 3:] + names[:b % 3]:
+        first = (warmup + b) % 3  # (with `block` 1, as in the warm-up)
+        for name in names[first:] + names[:first]:
             order += [(i, name) for i in range(start, min(start + block, n))]
     return order
 
