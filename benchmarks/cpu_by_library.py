@@ -1,0 +1,202 @@
+"""Benchmark: where an overhead-bound pipeline step's CPU goes, by library, smshim against torch.
+
+The tiny-block model of `pipeline_as_written.py` (8 blocks of width 16, pp = 2, m = 8,
+`interleaved` / Schedule1F1B, batch 128, ranks pinned) runs one system at a time, alone in its
+two processes; after a warm-up, Linux `perf` samples pp_rank 0 (every thread) for a few seconds
+at 2 kHz while the steps go on. Each library's share of the samples, times pp_rank 0's CPU per
+step (`time.process_time`), gives its milliseconds a step: CPython's interpreter
+(`libpython`), torch's kernels and autograd (`libtorch_cpu`), the kernel, gloo's event loop
+thread, and so on. It shows what kind of work smshim does beyond torch's own pipeline, which
+profilers that trace Python calls distort (they cost more than the calls they time).
+
+Needs `perf` on PATH and permission to attach to a process (root, or
+`kernel.perf_event_paranoid` <= 1); exits saying so otherwise.
+
+    python benchmarks/cpu_by_library.py [--seconds 4] [--runs 2] [--partitions manual stages]
+    python benchmarks/cpu_by_library.py --python-calls [--partitions manual stages]
+
+`--python-calls` counts each rank's Python function calls a step instead (a profile hook on
+every thread, 10 steps): a figure that does not move with the machine's load, but not a time
+(cheap calls and expensive ones count alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from smshim.testing import run_ranks  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+RATE_HZ = 1999
+WARMUP_STEPS = 5
+
+
+def _rank(system: str, partition: str, seconds: float, perf_out: str) -> Dict[str, float]:
+    """One rank: warm up, then run steps while perf samples pp_rank 0's process."""
+    import torch
+    import torch.distributed as dist
+
+    import pipeline_as_written as paw
+
+    torch.set_num_threads(1)
+    paw.pin_rank_to_core()
+    smp, _, ours = paw._smshim_setup(2, 8, "interleaved", partition, 16)  # (the default group)
+    rank = dist.get_rank()
+    step = ours if system == "smshim" else paw._torch_setup(2, 8, "interleaved", rank, 16)
+    batches = paw.make_batches(10, 16, 128)
+    warm = []
+    for i in range(WARMUP_STEPS):
+        t0 = time.perf_counter()
+        step(*batches[i % len(batches)])
+        warm.append(time.perf_counter() - t0)
+    # Enough steps to outlast perf's window by a second or more (rank 0's estimate from its last
+    # warm-up steps, for both ranks).
+    n = torch.tensor([int((seconds + 1.0) / min(warm[-3:])) + 1])
+    dist.broadcast(n, 0)
+    paw.scheduled_as_shipped(system)  # (its threads as it runs them: see pipeline_as_written.py)
+    perf = None
+    if rank == 0:
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", str(RATE_HZ), "-p", str(os.getpid()),
+                                 "-o", perf_out, "--", "sleep", str(seconds)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)  # (perf attaches)
+    times: List[float] = []
+    c0 = time.process_time()
+    for i in range(int(n.item())):
+        t1 = time.perf_counter()
+        step(*batches[i % len(batches)])
+        times.append(time.perf_counter() - t1)
+    cpu = (time.process_time() - c0) / len(times)
+    if perf is not None:
+        perf.wait()
+    smp.reset()
+    return {"steps": len(times), "step_ms": statistics.median(times) * 1e3,
+            "cpu_ms": cpu * 1e3}
+
+
+def _python_calls(system: str, partition: str, steps: int) -> float:
+    """One rank: Python function calls a step (every thread of the process), counted with a
+    profile hook set before the system starts its threads, over `steps` steps after warm-up."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import pipeline_as_written as paw
+
+    torch.set_num_threads(1)
+    paw.pin_rank_to_core()
+    calls = [0]
+    counting = [False]
+
+    def hook(frame, event, arg):
+        if counting[0] and event == "call":
+            calls[0] += 1
+
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+    smp, _, ours = paw._smshim_setup(2, 8, "interleaved", partition, 16)
+    step = ours if system == "smshim" else paw._torch_setup(2, 8, "interleaved",
+                                                             dist.get_rank(), 16)
+    batches = paw.make_batches(10, 16, 128)
+    for i in range(WARMUP_STEPS):
+        step(*batches[i % len(batches)])
+    dist.barrier()
+    counting[0] = True
+    for i in range(steps):
+        step(*batches[i % len(batches)])
+    counting[0] = False
+    sys.setprofile(None)
+    threading.setprofile(None)
+    smp.reset()
+    return calls[0] / steps
+
+
+def _by_library(perf_data: str) -> Dict[str, float]:
+    """Each shared object's (and gloo's thread's) share of the samples, in percent."""
+    def report(sort: str) -> Dict[str, float]:
+        out = subprocess.run(["perf", "report", "-i", perf_data, "--sort", sort, "--stdio",
+                              "-g", "none"], capture_output=True, text=True, check=True).stdout
+        shares: Dict[str, float] = collections.Counter()
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith("%") and not line.startswith("#"):
+                shares[parts[1]] += float(parts[0][:-1])
+        return shares
+
+    shares = report("dso")
+    shares["(gloo's event loop thread)"] = report("comm").get("gloo_tcp_loop", 0.0)
+    return shares
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=4.0, help="perf's sampling time per run")
+    ap.add_argument("--runs", type=int, default=2, help="runs of each system, alternated")
+    ap.add_argument("--partitions", nargs="+", default=["manual"], choices=["manual", "stages"],
+                    help="smshim's layouts (pipeline_as_written.py); torch runs its stages")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "cpu_by_library.json"))
+    ap.add_argument("--python-calls", action="store_true",
+                    help="instead: count each rank's Python function calls a step (no perf)")
+    a = ap.parse_args()
+    if a.python_calls:
+        for name in [f"smshim {p}" for p in a.partitions] + ["torch"]:
+            system, _, partition = name.partition(" ")
+            counts = run_ranks(_python_calls, 2, system, partition or "manual", 10, timeout=300)
+            print(f"{name}: Python function calls a step, pp_rank 0 {counts[0]:.0f}, "
+                  f"pp_rank 1 {counts[1]:.0f}", flush=True)
+        return
+    if shutil.which("perf") is None:
+        sys.exit("cpu_by_library.py needs Linux `perf` on PATH (linux-tools / linux-perf)")
+
+    runs: Dict[str, list] = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.runs):
+            for name in [f"smshim {p}" for p in a.partitions] + ["torch"]:
+                system, _, partition = name.partition(" ")
+                data = os.path.join(tmp, f"{r}.data")
+                res = run_ranks(_rank, 2, system, partition or "manual", a.seconds, data,
+                                timeout=300)[0]
+                if not os.path.exists(data) or os.path.getsize(data) == 0:
+                    sys.exit("perf recorded nothing: it may lack the permission to attach "
+                             "(run as root, or set kernel.perf_event_paranoid to 1)")
+                shares = _by_library(data)
+                res["ms_by_library"] = {k: v / 100 * res["cpu_ms"] for k, v in shares.items()}
+                runs[name].append(res)
+                print(f"{name}: {res['step_ms']:.1f} ms a step, pp_rank 0 CPU "
+                      f"{res['cpu_ms']:.1f} ms a step ({res['steps']} steps)", flush=True)
+
+    libs = sorted({k for rs in runs.values() for r in rs for k in r["ms_by_library"]},
+                  key=lambda k: -statistics.mean(r["ms_by_library"].get(k, 0.0)
+                                                 for r in runs["torch"] + runs[f"smshim {a.partitions[0]}"]))
+    names = list(runs)
+    print(f"\npp_rank 0's CPU a step by library, ms (median of {a.runs} runs; each system alone, "
+          "pinned, tiny blocks, pp 2, m 8, interleaved / 1F1B):")
+    print(f"{'library':<34}" + "".join(f"{n:>16}" for n in names))
+    for lib in ["(all)"] + libs[:10]:
+        cells = []
+        for n in names:
+            vals = [r["cpu_ms"] if lib == "(all)" else r["ms_by_library"].get(lib, 0.0)
+                    for r in runs[n]]
+            cells.append(f"{statistics.median(vals):16.2f}")
+        print(f"{lib[:34]:<34}" + "".join(cells))
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"rate_hz": RATE_HZ, "seconds": a.seconds, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
