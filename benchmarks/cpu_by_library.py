@@ -126,7 +126,7 @@ def _python_calls(system: str, partition: str, steps: int) -> float:
 
 
 def _by_library(perf_data: str) -> Dict[str, float]:
-    """Each shared object's (and gloo's thread's) share of the samples, in percent."""
+    """Each shared object's share of the samples, in percent, and gloo's event loop thread's."""
     def report(sort: str) -> Dict[str, float]:
         out = subprocess.run(["perf", "report", "-i", perf_data, "--sort", sort, "--stdio",
                               "-g", "none"], capture_output=True, text=True, check=True).stdout
@@ -138,7 +138,8 @@ def _by_library(perf_data: str) -> Dict[str, float]:
         return shares
 
     shares = report("dso")
-    shares["(gloo's event loop thread)"] = report("comm").get("gloo_tcp_loop", 0.0)
+    # (A thread, not a library: its samples are in the libraries' shares too.)
+    shares["(gloo's loop thread, in the above)"] = report("comm").get("gloo_tcp_loop", 0.0)
     return shares
 
 
@@ -167,7 +168,7 @@ def main() -> None:
         for r in range(a.runs):
             for name in [f"smshim {p}" for p in a.partitions] + ["torch"]:
                 system, _, partition = name.partition(" ")
-                data = os.path.join(tmp, f"{r}.data")
+                data = os.path.join(tmp, f"{r}-{name.replace(' ', '-')}.data")
                 res = run_ranks(_rank, 2, system, partition or "manual", a.seconds, data,
                                 timeout=300)[0]
                 if not os.path.exists(data) or os.path.getsize(data) == 0:
