@@ -2,9 +2,11 @@
 node agrees on the run id, trains equal to one process, survives a killed worker with
 --max-restarts, and a node whose peers never come says so within the rendezvous timeout."""
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +99,17 @@ def test_two_nodes_with_max_restarts_survive_a_killed_worker(tmp_path):
     assert_close(merged, _want())
 
 
+@contextlib.contextmanager
+def _unanswered_port():
+    """A loopback port that nothing answers on while the block runs: bound here and never
+    listened on, so a connection is refused. (A port `free_port` returned is free only when it
+    returns: another test's listener, which also takes a port the OS picks, may get it next, and
+    then the node talks to that.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 RESTARTS = pytest.mark.parametrize("restarts", [[], ["--max-restarts", "1"]],
                                    ids=["static", "c10d"])
 
@@ -114,8 +127,9 @@ def test_a_node_whose_peers_never_come_says_so(tmp_path, restarts):
 
 @RESTARTS
 def test_a_node_without_node_0_names_the_address(tmp_path, restarts):
-    port = free_port()
-    [(rc, text)] = _wait([_start(tmp_path, 1, port, "--rdzv-timeout", "5", *restarts)], timeout=60)
+    with _unanswered_port() as port:
+        [(rc, text)] = _wait([_start(tmp_path, 1, port, "--rdzv-timeout", "5", *restarts)],
+                             timeout=60)
     assert rc == 3, text
     assert f"no rendezvous answered at 127.0.0.1:{port} within 5 s (0 of 2 nodes seen)" in text
     assert "node 0 (--node-rank 0) hosts it there" in text
