@@ -44,6 +44,28 @@ RATE_HZ = 1999
 WARMUP_STEPS = 5
 
 
+def _systems(partitions: List[str]) -> List[tuple]:
+    """(name, system, smshim partition) of each run: smshim in each layout, then torch."""
+    return [(f"smshim {p}", "smshim", p) for p in partitions] + [("torch", "torch", "manual")]
+
+
+def _setup(system: str, partition: str):
+    """This rank's pinned process, the default group (brought up by smshim's setup, which every
+    system needs), `system`'s step on the tiny-block model, and its batches."""
+    import torch
+
+    import pipeline_as_written as paw
+
+    torch.set_num_threads(1)
+    paw.pin_rank_to_core()
+    smp, _, step = paw._smshim_setup(2, 8, "interleaved", partition, 16)
+    if system == "torch":
+        import torch.distributed as dist
+
+        step = paw._torch_setup(2, 8, "interleaved", dist.get_rank(), 16)
+    return smp, step, paw.make_batches(10, 16, 128)
+
+
 def _rank(system: str, partition: str, seconds: float, perf_out: str) -> Dict[str, float]:
     """One rank: warm up, then run steps while perf samples pp_rank 0's process."""
     import torch
@@ -51,12 +73,8 @@ def _rank(system: str, partition: str, seconds: float, perf_out: str) -> Dict[st
 
     import pipeline_as_written as paw
 
-    torch.set_num_threads(1)
-    paw.pin_rank_to_core()
-    smp, _, ours = paw._smshim_setup(2, 8, "interleaved", partition, 16)  # (the default group)
+    smp, step, batches = _setup(system, partition)
     rank = dist.get_rank()
-    step = ours if system == "smshim" else paw._torch_setup(2, 8, "interleaved", rank, 16)
-    batches = paw.make_batches(10, 16, 128)
     warm = []
     for i in range(WARMUP_STEPS):
         t0 = time.perf_counter()
@@ -92,13 +110,8 @@ def _python_calls(system: str, partition: str, steps: int) -> float:
     profile hook set before the system starts its threads, over `steps` steps after warm-up."""
     import threading
 
-    import torch
     import torch.distributed as dist
 
-    import pipeline_as_written as paw
-
-    torch.set_num_threads(1)
-    paw.pin_rank_to_core()
     calls = [0]
     counting = [False]
 
@@ -106,12 +119,9 @@ def _python_calls(system: str, partition: str, steps: int) -> float:
         if counting[0] and event == "call":
             calls[0] += 1
 
-    threading.setprofile(hook)
+    threading.setprofile(hook)  # (before the system starts its threads)
     sys.setprofile(hook)
-    smp, _, ours = paw._smshim_setup(2, 8, "interleaved", partition, 16)
-    step = ours if system == "smshim" else paw._torch_setup(2, 8, "interleaved",
-                                                             dist.get_rank(), 16)
-    batches = paw.make_batches(10, 16, 128)
+    smp, step, batches = _setup(system, partition)
     for i in range(WARMUP_STEPS):
         step(*batches[i % len(batches)])
     dist.barrier()
@@ -154,9 +164,8 @@ def main() -> None:
                     help="instead: count each rank's Python function calls a step (no perf)")
     a = ap.parse_args()
     if a.python_calls:
-        for name in [f"smshim {p}" for p in a.partitions] + ["torch"]:
-            system, _, partition = name.partition(" ")
-            counts = run_ranks(_python_calls, 2, system, partition or "manual", 10, timeout=300)
+        for name, system, partition in _systems(a.partitions):
+            counts = run_ranks(_python_calls, 2, system, partition, 10, timeout=300)
             print(f"{name}: Python function calls a step, pp_rank 0 {counts[0]:.0f}, "
                   f"pp_rank 1 {counts[1]:.0f}", flush=True)
         return
@@ -166,11 +175,9 @@ def main() -> None:
     runs: Dict[str, list] = collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.runs):
-            for name in [f"smshim {p}" for p in a.partitions] + ["torch"]:
-                system, _, partition = name.partition(" ")
+            for name, system, partition in _systems(a.partitions):
                 data = os.path.join(tmp, f"{r}-{name.replace(' ', '-')}.data")
-                res = run_ranks(_rank, 2, system, partition or "manual", a.seconds, data,
-                                timeout=300)[0]
+                res = run_ranks(_rank, 2, system, partition, a.seconds, data, timeout=300)[0]
                 if not os.path.exists(data) or os.path.getsize(data) == 0:
                     sys.exit("perf recorded nothing: it may lack the permission to attach "
                              "(run as root, or set kernel.perf_event_paranoid to 1)")
