@@ -237,12 +237,11 @@ def run_order(n: int, warmup: int, block: int, names: List[str]) -> List[tuple]:
     starts with caches that the other systems' steps filled; in blocks, as in a job that runs
     one of them, only a block's first step does.)"""
     order = []
-    for i in range(warmup):
-        order += [(i, name) for name in names[i % 3:] + names[:i % 3]]
-    for b, start in enumerate(range(warmup, n, block)):
-        first = (warmup + b) % 3  # (with `block` 1, as in the warm-up)
-        for name in names[first:] + names[:first]:
-            order += [(i, name) for i in range(start, min(start + block, n))]
+    turns = [(i, i + 1) for i in range(warmup)] + [(i, min(i + block, n))
+                                                  for i in range(warmup, n, block)]
+    for k, (start, end) in enumerate(turns):
+        for name in names[k % 3:] + names[:k % 3]:
+            order += [(i, name) for i in range(start, end)]
     return order
 
 

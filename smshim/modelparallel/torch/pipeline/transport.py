@@ -265,7 +265,7 @@ class Transport:
         self._queue(peer, msg)
 
     def _queue(self, peer: int, msg: Message) -> None:
-        """`send_later`, checked."""
+        """`send_later` without its check (the caller has made it)."""
         box = self._outbox[peer]
         with box.lock:
             box.items.append((msg, None))
