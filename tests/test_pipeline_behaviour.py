@@ -198,16 +198,28 @@ def test_a_body_s_requests_leave_before_another_microbatch_s_backward_runs(tmp_p
 
 
 def _tiny_blocks_lock_turns(steps):
-    """The tiny-block model (pp = 2, m = 8, interleaved); on this rank: requests served, turns
-    at the compute lock taken by the threads serving them, and requests put in the run queue."""
+    """The tiny-block model (pp = 2, m = 8, interleaved); on this rank: requests served, the
+    module calls they carried (forward calls and backward requests), turns at the compute lock
+    taken by the threads serving them, and requests put in the run queue."""
     import smdistributed.modelparallel.torch as smp
     from smshim.modelparallel.torch.pipeline.run_queue import RunQueue
     from smshim.modelparallel.torch.pipeline.scheduler import ComputeLock
     from smshim.modelparallel.torch.pipeline.serving import OwnerSide
 
-    counts = {"requests": 0, "turns": 0, "queued": 0}
+    counts = {"requests": 0, "calls": 0, "turns": 0, "queued": 0}
     counting = threading.Lock()  # (several threads serve requests)
     acquire, serve_one, put = ComputeLock.acquire, OwnerSide._serve_one, RunQueue.put
+    forward, backward = OwnerSide._execute_forward, OwnerSide._execute_backward
+
+    def counted_forward(self, *args, **kwargs):
+        with counting:
+            counts["calls"] += 1
+        return forward(self, *args, **kwargs)
+
+    def counted_backward(self, *args, **kwargs):
+        with counting:
+            counts["calls"] += 1
+        return backward(self, *args, **kwargs)
 
     def counted_acquire(self, priority, *args, **kwargs):
         if priority[0] < 2:  # (not the weight gradients' thread, which works in the gaps)
@@ -226,27 +238,32 @@ def _tiny_blocks_lock_turns(steps):
         return put(self, *args, **kwargs)
 
     ComputeLock.acquire, OwnerSide._serve_one = counted_acquire, counted_serve_one
+    OwnerSide._execute_forward, OwnerSide._execute_backward = counted_forward, counted_backward
     RunQueue.put = counted_put
     _train_tiny_blocks(steps)
     return smp.pp_rank(), counts
 
 
-def _stage_1_counts(steps: int) -> dict:
-    """`_tiny_blocks_lock_turns` on 2 ranks: stage 1's counts (it served every request)."""
-    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120):
+def _stage_1_counts(steps: int, chains: bool = True) -> dict:
+    """`_tiny_blocks_lock_turns` on 2 ranks: stage 1's counts (it served every request).
+    `chains=False`: with SMSHIM_MERGE_CHAINS=0, every call its own request, forward and
+    backward."""
+    env = {} if chains else {"SMSHIM_MERGE_CHAINS": "0"}
+    for pp_rank, counts in run_ranks(_tiny_blocks_lock_turns, 2, steps, timeout=120, env=env):
         if pp_rank == 1:
-            # 5 forward requests per microbatch, and one backward for their chain.
-            assert counts["requests"] == steps * 8 * (5 + 1), counts
+            # 5 forward calls per microbatch, and one backward for their chain (or 5).
+            assert counts["calls"] == steps * 8 * (5 + (1 if chains else 5)), counts
             return counts
     raise AssertionError("no pp_rank 1 in the results")
 
 
 def test_a_stage_serves_a_microbatch_s_consecutive_calls_in_one_turn_at_the_compute_lock():
     """Stage 1 holds 4 blocks and the head: pp_rank 0's step body calls them one after another,
-    5 forward requests per microbatch (and one backward). Each request whose predecessor of the
-    same microbatch and direction just ran here runs next with the lock kept (OwnerSide._chain),
-    instead of giving the lock up, queueing and taking it again."""
-    counts = _stage_1_counts(steps=3)
+    5 forward requests per microbatch (and 5 backwards, chains off). Each request whose
+    predecessor of the same microbatch and direction just ran here runs next with the lock kept
+    (OwnerSide._chain), instead of giving the lock up, queueing and taking it again."""
+    counts = _stage_1_counts(steps=3, chains=False)
+    assert counts["requests"] == counts["calls"], counts
     # One turn per microbatch and direction when every chain holds; some break (the next
     # request came after the lock was given up, or another microbatch's work went first).
     assert counts["turns"] <= counts["requests"] / 2, counts
@@ -256,9 +273,20 @@ def test_a_chained_call_made_ready_by_its_predecessor_runs_next_without_the_run_
     """The request a chain runs next is made ready by its predecessor's results, on the thread
     that runs the chain: `_chain` takes it there (OwnerSide._ready keeps it for it), instead of
     it going into the run queue and out again. Only a chain's first request, and the next ones
-    of a chain that broke, are queued."""
-    counts = _stage_1_counts(steps=3)
+    of a chain that broke, are queued. (Chains off: with them, a stage's calls come as one
+    request, below.)"""
+    counts = _stage_1_counts(steps=3, chains=False)
     assert counts["queued"] <= counts["requests"] / 2, counts
+
+
+def test_a_stage_s_chained_calls_come_and_are_served_as_one_request():
+    """With chains (the default), a microbatch's 5 calls to stage 1 travel as one forward
+    request (calls.py, `_follow_on`), which stage 1 serves in one turn at the compute lock:
+    one request per microbatch and direction, where there were 6 (5 forwards, 1 backward).
+    Some calls still go alone: the first step's, whose output shapes pp_rank 0 waits for."""
+    counts = _stage_1_counts(steps=3)
+    assert counts["requests"] <= counts["calls"] / 2, counts
+    assert counts["turns"] <= counts["requests"], counts
 
 
 def _tiny_blocks_dispatches(steps):
@@ -559,3 +587,38 @@ def _optimizer_must_hold_all_params():
 def test_optimizer_must_hold_every_parameter():
     msg = run_ranks(_optimizer_must_hold_all_params, 1, timeout=60)[0]
     assert msg is not None and "inp.weight" in msg
+
+
+def _failing_chained_call(steps):
+    """The tiny-block model; on pp_rank 1, block 6 (a chain's third call there) raises in the
+    last step, whose calls to stage 1 come as one request. Returns what the step raised."""
+    from benchmarks import pipeline_as_written as written
+
+    torch.set_num_threads(1)
+    smp, model, step = written._smshim_setup(2, 8, "interleaved", "manual", 16)
+    failing = model.get_module().blocks[6]
+    forward = type(failing).forward
+    taken = [0]
+
+    def fail_late(self, x):
+        if self is failing and smp.pp_rank() == 1:
+            taken[0] += 1
+            if taken[0] > 8 * (steps - 1):
+                raise ValueError("block 6 fails")
+        return forward(self, x)
+
+    type(failing).forward = fail_late
+    try:
+        for x, targets in written.make_batches(steps, 16, 128):
+            step(x, targets)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_failing_call_inside_a_request_of_several_is_named_on_every_rank():
+    """A stage's calls of a microbatch come as one request (calls.py, `_follow_on`): when one
+    of its later calls fails, the error names that module, not the request's first, on both
+    ranks, and the step raises instead of hanging."""
+    for pp_rank, error in enumerate(run_ranks(_failing_chained_call, 2, 3, timeout=120)):
+        assert "module 'blocks.6'" in error and "block 6 fails" in error, (pp_rank, error)

@@ -452,11 +452,12 @@ def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
 def test_a_stages_calls_of_one_microbatch_leave_together():
     m = 4
     messages, frames = run_ranks(_loop_frames, 2, m, 3, timeout=180)[0][-1]
-    # Per microbatch: 5 forward requests (blocks 2-5, head) and one backward request for their
-    # chain, fetching the loss, saying the microbatch is done; one frame for the forward calls,
-    # one for the backward, one for the fetch (the microbatch-done notice rides along with a
-    # later frame, or leaves on its own at the deadline). Sent one frame each, they were 12.
-    assert messages[("fwd_req", 1)] == 5 * m and messages[("bwd_req", 1)] == m, messages
+    # Per microbatch: one forward request carrying the chain of 5 calls (blocks 2-5, head) and
+    # one backward request for it, fetching the loss, saying the microbatch is done; one frame
+    # for the forward calls, one for the backward, one for the fetch (the microbatch-done notice
+    # rides along with a later frame, or leaves on its own at the deadline). Sent one frame
+    # each, they were 12.
+    assert messages[("fwd_req", 1)] == m and messages[("bwd_req", 1)] == m, messages
     assert frames[1] <= 4 * m + 2, (frames, messages)
 
 
@@ -472,7 +473,7 @@ def test_a_microbatch_that_reads_no_value_costs_pp_rank_0_one_frame_to_the_next_
     for pipeline, most in (("interleaved", m + 3), ("simple", 2 * m + 3)):
         counts = run_ranks(_loop_frames, 2, m, 4, LossLoop, pipeline, timeout=180)[0]
         for messages, _ in counts:
-            assert messages[("fwd_req", 1)] == 5 * m and messages[("bwd_req", 1)] == m, messages
+            assert messages[("fwd_req", 1)] == m and messages[("bwd_req", 1)] == m, messages
             assert messages[("mb_done", 1)] == m, messages
         # (The fewest over three steps.)
         assert min(frames[1] for _, frames in counts) <= most, (pipeline, counts)

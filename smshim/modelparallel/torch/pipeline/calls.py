@@ -156,6 +156,36 @@ def _expectation(out_template: Any, metas) -> bytes:
     return data
 
 
+def _follow_on(msg: Message, below: int, call: tuple, inline: List[torch.Tensor]) -> bool:
+    """Add a chain's later call to `msg`, its predecessor's request, if `msg` is that request
+    (or carries its predecessor as its last follow-on) and still held: the owner then serves
+    the chain's calls as one request (one dispatch, one turn of the run queue and the compute
+    lock; serving.py, `_serve_forward`). `call`: (call id, module, template, input encodings,
+    requires, grad enabled, expectation, autocast state, below); its inline tensors join the
+    request's, and its encodings are shifted to their places there. Under the outbox's lock:
+    the request cannot leave meanwhile."""
+    if msg.kind != FWD_REQ or msg.meta[4] is not None:  # (a request waited for is not held)
+        return False
+    more = msg.meta[8]
+    if (more[-1][0] if more else msg.call_id) != below:
+        return False
+    if inline:
+        base = len(msg.tensors)
+        call = call[:3] + ([_shifted(e, base) for e in call[3]],) + call[4:]
+        msg.tensors.extend(inline)
+    more.append(call)
+    return True
+
+
+def _shifted(enc, base: int):
+    """An input's encoding (`CallerSide._encode`) with its inline index moved by `base`."""
+    if enc is None or enc[0] == "r":
+        return enc
+    if enc[0] == "t":
+        return ("t", enc[1] + base)
+    return ("s", [_shifted(term, base) for term in enc[1]])
+
+
 def _describe(out_template: Any, metas) -> str:
     shapes = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in metas)
     return f"{type(out_template).__name__} of tensors [{shapes}]"
@@ -274,7 +304,7 @@ class CallerSide:
         # same rank (a stage's calls of one microbatch: one frame; Transport.send, `hold`).
         reply = "data" if sync else ("meta" if pred is None else None)
         enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
-        if not sync:
+        if not sync and call.first is None:  # (a chain's later call: its first said this)
             with self._cond_lock:
                 self._visited[call.microbatch].add(call.owner)
                 for r, h in zip(call.requires, call.remote_in):
@@ -285,12 +315,19 @@ class CallerSide:
         # A chain's later call: the owner runs the module on the previous call's outputs as
         # they are in its graph, so that the chain's backward is one pass (`_Chain`).
         below = call.through[0][0] if call.first is not None else None
+        expect = pred.expect if pred is not None else None
         try:
-            self.transport.send(call.owner, Message(
-                FWD_REQ, call.step, call.microbatch, call_id, call.module,
-                meta=(template_bytes, enc, call.requires, grad_enabled, reply,
-                      pred.expect if pred is not None else None, amp, below),
-                tensors=inline), hold=reply is None)
+            # A chain's later call whose predecessor's request is still held: it travels in
+            # that request (`_follow_on`), served with it as one.
+            if below is None or reply is not None or not self.transport.extend_last(
+                    call.owner, lambda msg: _follow_on(msg, below, (
+                        call_id, call.module, template_bytes, enc, call.requires, grad_enabled,
+                        expect, amp, below), inline)):
+                self.transport.send(call.owner, Message(
+                    FWD_REQ, call.step, call.microbatch, call_id, call.module,
+                    meta=(template_bytes, enc, call.requires, grad_enabled, reply, expect, amp,
+                          below, []),
+                    tensors=inline), hold=reply is None)
             if box is not None:
                 msg = self._wait_reply(box, call.owner, call.what("forward"))
         finally:

@@ -26,15 +26,22 @@ from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
 
+# A context that does nothing (a lock already held, a grad mode already set).
+_HELD = contextlib.nullcontext()
+
+
 def _needs(msg: Message) -> List[Any]:
     """The store keys a FWD_REQ / BWD_REQ waits for."""
     keys: List[Any] = []
+    made: tuple = ()  # (the calls of the request whose outputs a follow-on takes)
 
     def refs(enc):
         if enc is None:
             return
         if enc[0] == "r":
-            keys.append(enc[1])
+            key = enc[1]
+            if not (key[1] in made and key[0] == msg.src and key[2] == "out"):
+                keys.append(key)
         elif enc[0] == "s":
             for term in enc[1]:
                 refs(term)
@@ -42,6 +49,12 @@ def _needs(msg: Message) -> List[Any]:
     if msg.kind == FWD_REQ:
         for e in msg.meta[1]:
             refs(e)
+        if msg.meta[8]:  # follow-ons (calls.py, `_follow_on`): their own inputs count
+            made = (msg.call_id,)
+            for call in msg.meta[8]:
+                for e in call[3]:
+                    refs(e)
+                made += (call[0],)
     else:
         keys.append((msg.src, msg.call_id, "fwd", 0))
         for e in msg.meta[0]:
@@ -256,10 +269,50 @@ class OwnerSide:
 
 
     def _serve_forward(self, msg: Message) -> None:
-        template_bytes, enc, requires, grad_enabled, reply, expect, amp, below = msg.meta
+        template_bytes, enc, requires, grad_enabled, reply, expect, amp, below, more = msg.meta
         if msg.src == 0:
             self._admit(msg.microbatch, msg.step)
-        what = lambda: f"an input of the {self._what(msg, 'forward')}"  # noqa: E731  (on error)
+        if not more:
+            self._forward_call(msg, msg.call_id, msg.module, template_bytes, enc, requires,
+                               grad_enabled, reply, expect, amp, below,
+                               getattr(msg, "place", None))
+            return
+        # A chain's calls in one request (calls.py, `_follow_on`): served one after another
+        # in one turn of the compute lock, as `_chain` serves separate requests, without each
+        # one's dispatch, queueing and lock turn.
+        mb = msg.microbatch
+        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
+                            lambda: self._more_regions(FORWARD, mb),
+                            getattr(msg, "place", None)) as hold:
+            try:
+                self._forward_call(msg, msg.call_id, msg.module, template_bytes, enc,
+                                   requires, grad_enabled, reply, expect, amp, below,
+                                   chain=False)
+                for call_id, module, template_bytes, enc, requires, grad_enabled, expect, amp, \
+                        below in more:
+                    # Each call counts as a module run (the hold counts the last), as when
+                    # each came alone: else the lock stays reserved for more of them.
+                    self._more_regions(FORWARD, mb)
+                    msg.module = module  # (`_serve_one`'s error names the module that failed)
+                    self._forward_call(msg, call_id, module, template_bytes, enc, requires,
+                                       grad_enabled, None, expect, amp, below, chain=False)
+            except BaseException:
+                candidate, _serving.candidate = _serving.candidate, None
+                if candidate is not None:  # (no `_chain` now: it waits in the queue)
+                    self._runq.put(self._request_priority(candidate), candidate,
+                                   here=_serving.here)
+                raise
+            self._chain(hold, FORWARD, mb, msg.src)
+
+
+    def _forward_call(self, msg: Message, call_id: int, module: str, template_bytes: bytes,
+                      enc: list, requires: List[bool], grad_enabled: bool,
+                      reply: Optional[str], expect: Optional[bytes], amp, below: Optional[int],
+                      place: Optional[tuple] = None, chain: bool = True) -> None:
+        """One call of request `msg` (its own, or a follow-on's): `module` runs on the inputs
+        that `enc` names; its results are delivered, then its forward is marked done."""
+        what = lambda: (f"an input of the forward of module '{module}' (microbatch "  # noqa: E731
+                        f"{msg.microbatch}, step {msg.step})")  # (on error)
         tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         template = loads_template(template_bytes)
 
@@ -268,7 +321,7 @@ class OwnerSide:
             if expect is not None and _expectation(out_template, metas) != expect:
                 expected = pickle.loads(expect)
                 raise PipelineError(
-                    f"module '{msg.module}' (microbatch {msg.microbatch}, step {msg.step}) "
+                    f"module '{module}' (microbatch {msg.microbatch}, step {msg.step}) "
                     f"returned {_describe(out_template, metas)}, but for inputs of the same "
                     f"shapes it returned {_describe(*expected)} before. smshim runs modules on "
                     "other ranks ahead of the caller, predicting their outputs' structure and "
@@ -277,18 +330,18 @@ class OwnerSide:
             outs = [t.detach() for t in outs]
             if reply is not None:
                 self.transport.send(msg.src, Message(
-                    FWD_REPLY, msg.step, msg.microbatch, msg.call_id, msg.module,
+                    FWD_REPLY, msg.step, msg.microbatch, call_id, module,
                     meta=(out_template, metas), tensors=outs if reply == "data" else []))
             if reply != "data":  # handles on the caller: keep the values for whoever needs them
                 for i, t in enumerate(outs):
-                    self._keep((msg.src, msg.call_id, "out", i), t, msg.microbatch, msg.step)
+                    self._keep((msg.src, call_id, "out", i), t, msg.microbatch, msg.step)
 
-        self._execute_forward(msg.src, msg.call_id, msg.module, msg.step, msg.microbatch,
+        self._execute_forward(msg.src, call_id, module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver,
-                              place=getattr(msg, "place", None), amp=amp,
+                              place=place, amp=amp,
                               links=_links(enc, msg.src, self.me) if msg.src == 0 else (),
-                              below=below if msg.src == 0 else None)
-        self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, msg.microbatch)
+                              below=below if msg.src == 0 else None, chain=chain)
+        self.store.put((msg.src, call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
     def _serve_backward(self, msg: Message) -> None:
@@ -338,7 +391,7 @@ class OwnerSide:
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
                          place: Optional[tuple] = None, amp: autocast_state.State = None,
-                         links=(), below: Optional[int] = None):
+                         links=(), below: Optional[int] = None, chain: bool = True):
         """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
         `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
         results on their way to another rank leave before the next module here starts. `place`:
@@ -346,18 +399,24 @@ class OwnerSide:
         the caller's autocast state. `links`: which inputs are outputs of earlier calls here
         (`_links`), kept with the graph. `below`: the call before this one in its chain
         (calls.py, `_Chain`), whose outputs this one takes as they are in its graph: the
-        chain's graphs are one, and its backward one pass of autograd (`_execute_backward`)."""
+        chain's graphs are one, and its backward one pass of autograd (`_execute_backward`).
+        `chain`: look for the next request to serve in this turn (`_chain`); not inside a
+        request of several calls, which does so after its last."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
         if below is not None:
             below = _join(inputs, self._saved.get((caller, below)), links, below) \
                 if grad_enabled else None
-        with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                            lambda: self._more_regions(FORWARD, mb), place) as hold:
+        # (Inside a request of several calls, its own hold has the lock: `_serve_forward`.)
+        with (self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
+                             lambda: self._more_regions(FORWARD, mb), place)
+              if chain else _HELD) as hold:
             with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
                                     caller=caller), \
-                    torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
+                    (torch.set_grad_enabled(grad_enabled)
+                     if grad_enabled != torch.is_grad_enabled() else _HELD), \
+                    autocast_state.applied(amp):
                 args, kwargs = fill(template, inputs)
                 out = self.real_forward(name)(*args, **kwargs)
             out_template, outs = flatten(out)
@@ -384,7 +443,8 @@ class OwnerSide:
             if deliver is not None:
                 self._deliver(deliver, (out_template, outs, out_rg),
                               (FORWARD, mb) if caller == 0 else None)
-            self._chain(hold, FORWARD, mb, caller)
+            if chain:
+                self._chain(hold, FORWARD, mb, caller)
         return out_template, outs, out_rg
 
 

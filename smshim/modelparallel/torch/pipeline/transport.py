@@ -18,7 +18,7 @@ or receiver thread waits on a transfer, a busy peer or one not yet in the step, 
 hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
 complete (their buffers live until then) and keeps the deadline of held messages: a sender may
 hold a message back to leave with the next ones (`send(hold=True)`, then `flush`): pp_rank 0 sends
-a stage's calls of one microbatch as one frame. CPU tensors travel inside the frame; with a device
+a stage's calls of one microbatch as one frame (a chain of them as one request: `extend_last`). CPU tensors travel inside the frame; with a device
 channel (channels.py: CUDA tensors on NCCL groups of their own), CUDA tensors leave right after
 their frame, in header order, never through host memory.
 
@@ -273,6 +273,16 @@ class Transport:
                 box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
                 if box.wakes_at > box.hold_until:  # (else it wakes in time by itself)
                     box.cond.notify()  # the sender thread keeps the deadline
+
+    def extend_last(self, peer: int, extend: Callable[[Message], bool]) -> bool:
+        """`extend(msg)` on the last message queued for `peer` if it has not left yet, under
+        the lock that posting takes: it may add to the message (returning True) knowing that
+        nothing was queued after it and that it leaves as extended. False if there is none."""
+        box = self._outbox[peer]
+        with box.lock:
+            if not box.items or box.items[-1][1] is not None:  # (none, or one waited for)
+                return False
+            return extend(box.items[-1][0])
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
