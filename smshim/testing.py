@@ -27,11 +27,12 @@ import pickle
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smshim.runtime.launch import free_port, teardown
 
@@ -108,7 +109,7 @@ def run_ranks(
 ) -> List[Any]:
     """Run `fn(*args)` on `nprocs` ranks; return each rank's value (picklable) in rank order."""
     ctx = _context()
-    port = free_port()
+    held, port = _hold_port()
     results = ctx.Queue()
     procs = []
     for rank in range(nprocs):
@@ -160,7 +161,25 @@ def run_ranks(
                 p.kill()
             p.join(timeout=5)
         results.close()
+        if held is not None:
+            held.close()
     return [values[r] for r in range(nprocs)]
+
+
+def _hold_port() -> Tuple[Optional[socket.socket], int]:
+    """A loopback port for the ranks' MASTER_PORT, and (on Linux) a socket that keeps it bound,
+    never listening, until they are done. A port `free_port` returns is free only when it
+    returns: another test's listener, given a port by the OS meanwhile, could take it before
+    rank 0's store binds it, and rank 0 would then fail with "address already in use". Bound
+    here with SO_REUSEADDR, it is given to no one else, and rank 0's store (which binds with
+    SO_REUSEADDR too) can still bind and listen on it: Linux lets a listener share a port with
+    sockets that do not listen. (Elsewhere SO_REUSEADDR means other things: the old way.)"""
+    if not sys.platform.startswith("linux"):
+        return None, free_port()
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    return held, held.getsockname()[1]
 
 
 def find_executable(name: str) -> Optional[str]:

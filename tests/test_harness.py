@@ -1,6 +1,7 @@
 """The harness itself: a failing, dying or hanging rank fails the test, with the rank's traceback."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -41,6 +42,39 @@ def _collective_with_dead_peer():
     if dist.get_rank() == 1:
         raise RuntimeError("rank one gives up before all_reduce")
     dist.all_reduce(torch.ones(1))
+
+
+def _master_port_taken_then_rendezvous():
+    """Can another socket bind MASTER_PORT before the group comes up? Then a collective."""
+    import socket
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from smshim.runtime import launch as _runtime
+
+    taken = None
+    if sys.platform.startswith("linux") and os.environ["RANK"] == "0":
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+                taken = False
+            except OSError:
+                taken = True
+    _runtime.init_distributed()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return taken, t.item()
+
+
+def test_the_master_port_is_held_for_the_ranks_until_rank_0_binds_it():
+    """No other socket can take the ranks' MASTER_PORT between the harness choosing it and rank
+    0's store binding it (a port that `free_port` said was free, taken meanwhile by another
+    test's listener, failed rank 0 with "address already in use"); the store still binds."""
+    results = run_ranks(_master_port_taken_then_rendezvous, 2, timeout=60)
+    assert [total for _, total in results] == [2.0, 2.0], results
+    if sys.platform.startswith("linux"):
+        assert results[0][0] is True, results
 
 
 def test_results_in_rank_order():
