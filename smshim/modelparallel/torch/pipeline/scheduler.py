@@ -324,6 +324,10 @@ class ComputeLock:
 
     def waited_for(self) -> bool:
         """(Its holder.) Does other work of the holder's priority or before wait for the lock?"""
+        # Nothing queued: no need for the mutex. (Read without it, a waiter that comes at this
+        # moment is seen at the holder's next check: a step body checks at every remote call.)
+        if not self._waiters and not self._places:
+            return False
         return self.contested(self._local.priority)
 
     def give_up_held(self) -> None:

@@ -26,7 +26,7 @@ from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
 
-# A context that does nothing (a lock already held, a grad mode already set).
+# A context that does nothing (the lock already held).
 _HELD = contextlib.nullcontext()
 
 
@@ -412,13 +412,16 @@ class OwnerSide:
         with (self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
                              lambda: self._more_regions(FORWARD, mb), place)
               if chain else _HELD) as hold:
-            with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
-                                    caller=caller), \
-                    (torch.set_grad_enabled(grad_enabled)
-                     if grad_enabled != torch.is_grad_enabled() else _HELD), \
-                    autocast_state.applied(amp):
-                args, kwargs = fill(template, inputs)
+            args, kwargs = fill(template, inputs)
+            if amp is None and not self.timeline.enabled \
+                    and grad_enabled == torch.is_grad_enabled():
+                # (The usual case: no context to enter, each a Python call or two.)
                 out = self.real_forward(name)(*args, **kwargs)
+            else:
+                with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
+                                        caller=caller), \
+                        torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
+                    out = self.real_forward(name)(*args, **kwargs)
             out_template, outs = flatten(out)
             # The results leave this rank as values (handles live on pp_rank 0 only, and its
             # own modules run in its step bodies, not here). A handle that is part of the graph
