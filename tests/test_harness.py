@@ -47,7 +47,6 @@ def _collective_with_dead_peer():
 def _master_port_taken_then_rendezvous():
     """Can another socket bind MASTER_PORT before the group comes up? Then a collective."""
     import socket
-    import sys
 
     import torch
     import torch.distributed as dist
