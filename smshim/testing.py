@@ -20,6 +20,7 @@ so that a full collection does not walk, and copy, the forkserver's heap.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from smshim.runtime.launch import free_port, teardown
 
@@ -164,6 +165,19 @@ def run_ranks(
         if held is not None:
             held.close()
     return [values[r] for r in range(nprocs)]
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port for the rendezvous of ranks that a test launches itself (MASTER_PORT for
+    mpirun, torchrun or plain processes), kept from other sockets while the block runs, as
+    `run_ranks` keeps its own (see `_hold_port`)."""
+    held, port = _hold_port()
+    try:
+        yield port
+    finally:
+        if held is not None:
+            held.close()
 
 
 def _hold_port() -> Tuple[Optional[socket.socket], int]:

@@ -36,8 +36,7 @@ import sys
 import pytest
 import torch
 
-from smshim.runtime.launch import free_port
-from smshim.testing import run_command
+from smshim.testing import held_port, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT_DIR = os.path.join(ROOT, "tests", "scripts", "gpt2_aws")
@@ -121,9 +120,10 @@ def _args(ws, run: str, **extra):
 
 def _launch(ws, nprocs: int, run: str, timeout: float, **extra) -> dict:
     cmd = [_mpirun(), "-n", str(nprocs), sys.executable, SCRIPT, *_args(ws, run, **extra)]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "SMSHIM_TIMEOUT": "120", "SM_HP_MP_PARAMETERS": None, "SMSHIM_ALLOW_PICKLE": None}
-    proc = run_command(cmd, timeout=timeout, env=env, cwd=str(ws))
+    with held_port() as port:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "SMSHIM_TIMEOUT": "120", "SM_HP_MP_PARAMETERS": None, "SMSHIM_ALLOW_PICKLE": None}
+        proc = run_command(cmd, timeout=timeout, env=env, cwd=str(ws))
     out = proc.stdout + proc.stderr
     m = re.search(r"^RESULT (\{.*\})$", out, re.M)
     assert m and "SMP training finished successfully" in out, out[-5000:]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smshim.testing import free_port, run_ranks
+from smshim.testing import held_port, run_ranks
 from tests.pipeline_models import Block, slow_backward
 
 TOL = 1e-5
@@ -564,20 +564,21 @@ print("no error", flush=True)
 def test_dead_peer_is_reported_naming_it(tmp_path):
     script = tmp_path / "dead_peer.py"
     script.write_text(DEAD_PEER_SCRIPT.format(root=os.path.dirname(os.path.dirname(__file__))))
-    port = str(free_port())
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1", SMSHIM_TIMEOUT="60")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        out0, _ = procs[0].communicate(timeout=120)
-        procs[1].wait(timeout=30)
-    finally:
-        for p in procs:
-            p.kill()
+    with held_port() as port:
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1", SMSHIM_TIMEOUT="60")
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        try:
+            out0, _ = procs[0].communicate(timeout=120)
+            procs[1].wait(timeout=30)
+        finally:
+            for p in procs:
+                p.kill()
     assert procs[1].returncode == 9
     line = next((ln for ln in out0.splitlines() if ln.startswith("ERROR after")), None)
     assert line is not None, out0
