@@ -169,9 +169,10 @@ def run_ranks(
 
 @contextlib.contextmanager
 def held_port() -> Iterator[int]:
-    """A loopback port for the rendezvous of ranks that a test launches itself (MASTER_PORT for
-    mpirun, torchrun or plain processes), kept from other sockets while the block runs, as
-    `run_ranks` keeps its own (see `_hold_port`)."""
+    """A loopback port for the rendezvous of ranks that a test launches itself (its MASTER_PORT,
+    where rank 0 opens torch's TCPStore, which binds with SO_REUSEADDR: under mpirun, or as
+    plain processes), kept from other sockets while the block runs, as `run_ranks` keeps its
+    own (see `_hold_port`)."""
     held, port = _hold_port()
     try:
         yield port
