@@ -255,12 +255,18 @@ class OwnerSide:
         try:
             deliver(*args)
         except BaseException:
-            candidate, _serving.candidate = _serving.candidate, None
-            if candidate is not None:  # (no `_chain` now: it waits in the queue as before)
-                self._runq.put(self._request_priority(candidate), candidate, here=_serving.here)
+            self._queue_candidate()
             raise
         finally:
             _serving.chain_key = None
+
+
+    def _queue_candidate(self) -> None:
+        """No `_chain` now (the work that made it ready failed): the request kept for it
+        (`_ready`) waits in the run queue, as it would have without the chain."""
+        candidate, _serving.candidate = _serving.candidate, None
+        if candidate is not None:
+            self._runq.put(self._request_priority(candidate), candidate, here=_serving.here)
 
 
     def _what(self, msg: Message, direction: str) -> str:
@@ -297,10 +303,7 @@ class OwnerSide:
                     self._forward_call(msg, call_id, module, template_bytes, enc, requires,
                                        grad_enabled, None, expect, amp, below, chain=False)
             except BaseException:
-                candidate, _serving.candidate = _serving.candidate, None
-                if candidate is not None:  # (no `_chain` now: it waits in the queue)
-                    self._runq.put(self._request_priority(candidate), candidate,
-                                   here=_serving.here)
+                self._queue_candidate()
                 raise
             self._chain(hold, FORWARD, mb, msg.src)
 

@@ -18,9 +18,10 @@ or receiver thread waits on a transfer, a busy peer or one not yet in the step, 
 hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
 complete (their buffers live until then) and keeps the deadline of held messages: a sender may
 hold a message back to leave with the next ones (`send(hold=True)`, then `flush`): pp_rank 0 sends
-a stage's calls of one microbatch as one frame (a chain of them as one request: `extend_last`). CPU tensors travel inside the frame; with a device
-channel (channels.py: CUDA tensors on NCCL groups of their own), CUDA tensors leave right after
-their frame, in header order, never through host memory.
+a stage's calls of one microbatch as one frame (a chain of them as one request: `extend_last`).
+CPU tensors travel inside the frame; with a device channel (channels.py: CUDA tensors on NCCL
+groups of their own), CUDA tensors leave right after their frame, in header order, never through
+host memory.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
