@@ -14,10 +14,12 @@ FRAME_BYTES = 1 << 18  # a message up to 256 KiB travels in one send
 
 _PREFIX = 16  # two int64 lengths
 
-
-def _prefix(header_len: int, body_len: int) -> bytes:
-    """A frame's first bytes: its headers' and body's lengths, as the receiver reads them."""
-    return struct.pack("=qq", header_len, body_len)  # (native int64s: np.int64's layout)
+# A frame's first bytes: its headers' and body's lengths (native int64s), written by `_prefix`
+# (header_len, body_len) -> bytes and read by `_read_prefix(buffer)` -> (header_len, body_len).
+# (Bound methods of one Struct: no Python call per frame.)
+_PREFIX_STRUCT = struct.Struct("=qq")
+_prefix = _PREFIX_STRUCT.pack
+_read_prefix = _PREFIX_STRUCT.unpack_from
 
 
 def _frame_buffer(buffers: Dict[int, tuple], peer: int) -> tuple:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from smshim.modelparallel.torch.pipeline.channels import APART, ENV as _CHANNEL_ENV, DeviceChannel
 from smshim.modelparallel.torch.pipeline.frames import (_PREFIX, FRAME_BYTES, _as_bytes, _frame_buffer,
-                                                       _from_bytes, _prefix)
+                                                       _from_bytes, _prefix, _read_prefix)
 from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
                                                          PipelineError, _nbytes)
 from smshim.modelparallel.torch.pipeline.outbox import NEVER, Outbox
@@ -69,6 +69,14 @@ HOLD_S = 0.005
 # For this long after the last deadline, a sender thread with nothing held wakes every
 # `hold_s` instead of sleeping until notified (see `_send_loop`).
 _LINGER_S = 0.05
+
+
+def _waited_for(posted: "collections.deque") -> bool:
+    """Is a posted frame waited for (`send(wait=True)`: its entry has done events)?"""
+    for entry in posted:
+        if entry[2]:
+            return True
+    return False
 
 
 class _Holding(threading.local):
@@ -303,7 +311,8 @@ class Transport:
         self.check()
         box = self._outbox[peer]
         with box.lock:
-            box.items.extend((msg, None) for msg in msgs[:-1])
+            if len(msgs) > 1:
+                box.items.extend((msg, None) for msg in msgs[:-1])
             box.items.append((msgs[-1], done))
         self._post(peer, box)
         return done
@@ -329,26 +338,20 @@ class Transport:
                 batch, box.items, box.hold_until = box.items, [], None
             if not batch:
                 return
-            msgs = [m for m, _ in batch]
-            dones = [d for _, d in batch if d is not None]
-            span = (self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to "
-                                       f"{peer}", "transfer", peer=peer, messages=len(msgs),
-                                       bytes=sum(_nbytes(m) for m in msgs),
-                                       microbatch=msgs[0].microbatch, step=msgs[0].step,
-                                       module=msgs[0].module)
-                    if self.timeline is not None and self.timeline.enabled
-                    and msgs[0].kind != CLOSE else contextlib.nullcontext())
+            # (Loops, not comprehensions: each of those is a Python call, on every frame.)
+            msgs, dones = [], []
+            for m, d in batch:
+                msgs.append(m)
+                if d is not None:
+                    dones.append(d)
             self.sent_frames[peer] += 1
             first = msgs[0]  # (named only if the frame fails; its tensors are not kept)
             what = (first.kind, first.step, first.microbatch, first.module)
             try:
-                with span as traced:
-                    cpu0 = time.thread_time() if traced is not None else 0.0
+                if self.timeline is not None and self.timeline.enabled and first.kind != CLOSE:
+                    works, keep = self._post_traced(peer, msgs)
+                else:
                     works, keep = self._post_frame(peer, msgs)
-                    if traced is not None:
-                        # A span far longer than its CPU time waited for a core (more processes
-                        # than cores), not for the network: an isend does not wait for the peer.
-                        traced.note(cpu_ms=round((time.thread_time() - cpu0) * 1e3, 3))
             except Exception as e:  # noqa: BLE001
                 self._send_failed(peer, what, e)
                 for d in dones:
@@ -358,6 +361,20 @@ class Transport:
                 box.posted.append((works, keep, dones, what))
                 if dones or len(box.posted) > _MAX_POSTED:
                     box.cond.notify()  # the sender thread waits for them (see _send_loop)
+
+    def _post_traced(self, peer: int, msgs: List[Message]) -> tuple:
+        """`_post_frame` inside a span of the timeline."""
+        with self.timeline.span(f"send {'+'.join(sorted({m.kind for m in msgs}))} to {peer}",
+                                "transfer", peer=peer, messages=len(msgs),
+                                bytes=sum(_nbytes(m) for m in msgs),
+                                microbatch=msgs[0].microbatch, step=msgs[0].step,
+                                module=msgs[0].module) as traced:
+            cpu0 = time.thread_time()
+            posted = self._post_frame(peer, msgs)
+            # A span far longer than its CPU time waited for a core (more processes than
+            # cores), not for the network: an isend does not wait for the peer.
+            traced.note(cpu_ms=round((time.thread_time() - cpu0) * 1e3, 3))
+        return posted
 
     def _send_failed(self, peer: int, first: tuple, exc: BaseException) -> None:
         """`first`: the frame's first message's (kind, step, microbatch, module)."""
@@ -377,8 +394,7 @@ class Transport:
                 while True:
                     if self._shutdown:
                         return
-                    if box.posted and (len(box.posted) > _MAX_POSTED
-                                       or any(entry[2] for entry in box.posted)):
+                    if box.posted and (len(box.posted) > _MAX_POSTED or _waited_for(box.posted)):
                         due = False
                         break
                     now = time.monotonic()
@@ -423,6 +439,7 @@ class Transport:
         than the transfer of a small one). Returns the sends' works and the buffers they read,
         which must live until they complete."""
         headers, body, apart = [], [], []
+        body_len = 0
         channel = self._apart
         counts, nbytes = self.sent_messages, self.sent_bytes  # (counted here: no call per message)
         for msg in msgs:
@@ -440,11 +457,11 @@ class Transport:
                 nbytes[key] += arr.size
                 if arr.size:
                     body.append(arr)
+                    body_len += arr.size
             # A plain tuple: pickled and unpickled in half the time of the dataclass.
             headers.append((msg.kind, msg.step, msg.microbatch, msg.call_id, msg.module,
                             msg.meta, metas))
         header = pickle.dumps(headers, protocol=pickle.HIGHEST_PROTOCOL)
-        body_len = sum(b.size for b in body)
         end = _PREFIX + len(header)
         inline = end + body_len <= FRAME_BYTES  # headers and body in one isend
         # (A bytearray grown in place: half the time of numpy's slice assignments, per frame.)
@@ -460,7 +477,7 @@ class Transport:
         keep = [torch.frombuffer(b, dtype=torch.uint8) for b in bufs]
         if not inline and body_len:
             keep.append(torch.from_numpy(np.concatenate(body)))
-        group, dst = self._group(self.me, peer), self._group_rank[peer]
+        group, dst = self._groups[0 if peer > self.me else 1], self._group_rank[peer]
         works = [group.send([t], dst, 0) for t in keep]
         if apart:  # after the frame that announces them, in its order (see channels.py)
             more, sent = channel.send(peer, apart)
@@ -468,10 +485,6 @@ class Transport:
             keep += sent
             self.sent_apart[peer] += len(apart)
         return works, keep
-
-    def _group(self, src: int, dst: int) -> dist.ProcessGroup:
-        """The group that frames from pp rank `src` to pp rank `dst` travel on."""
-        return self._groups[0 if dst > src else 1]
 
     # ---- receiving --------------------------------------------------------------------------
     def _receive(self, peer: int, in_session: bool = False) -> None:
@@ -532,10 +545,10 @@ class Transport:
 
     def _recv_frame(self, peer: int) -> List[Message]:
         """The next frame from pp rank `peer`, as its messages."""
-        frame, nf = _frame_buffer(self._frames, peer)
-        group, src = self._group(peer, self.me), self._group_rank[peer]
+        frame, nf = self._frames.get(peer) or _frame_buffer(self._frames, peer)
+        group, src = self._groups[0 if self.me > peer else 1], self._group_rank[peer]
         group.recv([frame], src, 0).wait()
-        header_len, body_len = (int(n) for n in nf[:_PREFIX].view(np.int64))
+        header_len, body_len = _read_prefix(nf)
         start = _PREFIX + header_len
         if start > FRAME_BYTES:  # the headers follow on their own (see _post_frame)
             header = np.empty(header_len, dtype=np.uint8)
