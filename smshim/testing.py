@@ -171,8 +171,9 @@ def run_ranks(
 def held_port() -> Iterator[int]:
     """A loopback port for the rendezvous of ranks that a test launches itself (its MASTER_PORT,
     where rank 0 opens torch's TCPStore, which binds with SO_REUSEADDR: under mpirun, or as
-    plain processes), kept from other sockets while the block runs, as `run_ranks` keeps its
-    own (see `_hold_port`)."""
+    plain processes; or a launcher's, where node 0's `smshim run` or torchrun's agent opens
+    one), kept from other sockets while the block runs, as `run_ranks` keeps its own (see
+    `_hold_port`)."""
     held, port = _hold_port()
     try:
         yield port

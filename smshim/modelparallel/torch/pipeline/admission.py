@@ -72,12 +72,21 @@ class Admission:
 
     def _admissible_locked(self, mb: int) -> bool:
         """(Under _cond.) May microbatch `mb`'s forward start here now (see `_admit`)?"""
-        if mb in self._admitted:
+        admitted = self._admitted
+        if mb in admitted:
             return True
         limit = self.schedule.limit(self.me) if self.schedule else 1 << 30
-        return len(self._live) < limit and all(
-            j in self._admitted or (j in self._fwd_done and self._forwards[j] <= 0)
-            for j in range(mb))
+        if len(self._live) >= limit:
+            return False
+        # Microbatches stay admitted until the step's end: below the first one that is not, each
+        # is (a check per earlier microbatch, each time a forward may start, cost O(m) a time).
+        first = self._first_unadmitted
+        while first in admitted:
+            first += 1
+        self._first_unadmitted = first
+        return first >= mb or all(
+            j in admitted or (j in self._fwd_done and self._forwards[j] <= 0)
+            for j in range(first, mb))
 
 
     def _may_start(self, msg: Message) -> bool:
@@ -104,7 +113,7 @@ class Admission:
         # Not so for nested calls (made by another rank than 0), whose caller may still be
         # running: their values and graphs stay until the step's end (finish_nested).
         if mb in self._mb_done and self._requests[mb] <= 0:
-            self.store.drop_microbatch(mb, keep=_nested_key)
+            self.store.drop_microbatch(mb, keep_nested=True)
             for key in [k for k, saved in self._saved.items()
                         if saved[2] == mb and not _nested_key(k)]:
                 del self._saved[key]

@@ -39,6 +39,10 @@ MERGE_CHAINS_ENV = "SMSHIM_MERGE_CHAINS"
 # inputs are named only if they must be waited for: an f-string per request is measurable).
 _What = Union[str, Callable[[], str]]
 
+# What a call's handles are, for errors (`_Cell.what`).
+_OUTPUT_WHAT = "forward output {} of module '{}'"
+_IGRAD_WHAT = "gradient of input {} of module '{}'"
+
 # _Cell.fetching: asked for with PREFETCH (True: with FETCH).
 _LATER = "later"
 
@@ -227,7 +231,7 @@ class CallerSide:
         call = _Call(owner, name, ctx.step, ctx.microbatch, template, in_meta, requires,
                      remote_in, leaf_in)
         if ctx.driver and not ctx.forward_done and not self.deterministic \
-                and self.lock.held() and self.lock.waited_for():
+                and self.lock.waited_for():
             self._step_aside()
         if grad:
             call.tensors = tensors
@@ -347,7 +351,7 @@ class CallerSide:
         # not keep the call's inputs.)
         producer = weakref.ref(call) if call.chain is not None else None
         return [RemoteTensor(_Cell(call.owner, (self.me, call_id, "out", i),
-                                   f"forward output {i} of module '{call.module}'",
+                                   (_OUTPUT_WHAT, i, call.module),
                                    call.microbatch, self._fetch, step=call.step,
                                    producer=producer),
                              shape, dtype, self.device)
@@ -387,7 +391,7 @@ class CallerSide:
                 in_grads.append(None)
                 continue
             cell = _Cell(call.owner, (self.me, call.call_id, "igrad", i),
-                         f"gradient of input {i} of module '{first.module}'", call.microbatch,
+                         (_IGRAD_WHAT, i, first.module), call.microbatch,
                          self._fetch, pushed=i in push, step=call.step)
             if sync or first.leaf_in[i] or (last and i in push):
                 # (A leaf: autograd would store a handle in its .grad.)
@@ -407,6 +411,11 @@ class CallerSide:
                 break
         else:  # (plain tensors only, as most calls' inputs: each is sent inline)
             return [("t", i) for i in range(len(tensors))], list(tensors)
+        if len(tensors) == 1 and type(tensors[0]) is RemoteTensor:
+            # One handle held by dst (a chain's next call): named by its key.
+            cell = tensors[0]._cell
+            if cell.owner == dst and cell.value is None and cell.terms is None:
+                return [("r", cell.key, dst)], []
         inline: List[torch.Tensor] = []
 
         def one(t):
@@ -565,7 +574,8 @@ class CallerSide:
         in errors (a function: called only if the value must be waited for)."""
         value = self.store.peek(key)
         if value is not None:
-            self._computing()
+            if ctx.in_backward and ctx.driver:  # (`_computing`, without its call on every value)
+                self._computing()
             return value
         if callable(what):
             what = what()

@@ -34,10 +34,10 @@ Key = Tuple[Any, ...]
 
 
 class _Cell:
-    __slots__ = ("owner", "key", "terms", "value", "pushed", "sent_to", "what", "microbatch",
+    __slots__ = ("owner", "key", "terms", "value", "pushed", "sent_to", "_what", "microbatch",
                  "resolver", "lock", "fetching", "step", "producer", "used", "on_reuse")
 
-    def __init__(self, owner: int, key: Optional[Key], what: str, microbatch: int,
+    def __init__(self, owner: int, key: Optional[Key], what: Union[str, tuple], microbatch: int,
                  resolver: Callable[["_Cell"], torch.Tensor], pushed: bool = False,
                  terms: Optional[List[Union["_Cell", torch.Tensor]]] = None,
                  step: int = -1, producer: Optional[Callable[[], Any]] = None) -> None:
@@ -47,7 +47,9 @@ class _Cell:
         self.value: Optional[torch.Tensor] = None  # the data, once here
         self.pushed = pushed        # the owner sends it unasked (no fetch request needed)
         self.sent_to: set = set()   # ranks already asked to receive it (each gets it once)
-        self.what = what            # for messages: "forward output 0 of module 'x'"
+        # For messages: "forward output 0 of module 'x'", or a format and its arguments, which
+        # only an error formats (a call's handles are made by the thousand, read rarely).
+        self._what = what
         self.microbatch = microbatch
         self.resolver = resolver
         self.lock = threading.Lock()
@@ -59,6 +61,11 @@ class _Cell:
         self.producer = producer
         self.used = False
         self.on_reuse: Optional[Callable[[], None]] = None
+
+    @property
+    def what(self) -> str:
+        what = self._what
+        return what if isinstance(what, str) else what[0].format(*what[1:])
 
     def resolve(self) -> torch.Tensor:
         if self.value is None:

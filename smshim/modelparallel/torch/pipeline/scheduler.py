@@ -19,12 +19,11 @@ thread waits on the network.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
 import time
-from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Optional, Tuple
 
 from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 
@@ -323,12 +322,14 @@ class ComputeLock:
                         or (self._places and self._places[0][0] < priority))
 
     def waited_for(self) -> bool:
-        """(Its holder.) Does other work of the holder's priority or before wait for the lock?"""
-        # Nothing queued: no need for the mutex. (Read without it, a waiter that comes at this
-        # moment is seen at the holder's next check: a step body checks at every remote call.)
+        """Does this thread hold the lock while other work of its priority or before waits
+        for it?"""
+        # Nothing queued: no need for the mutex, nor for the holder. (Read without it, a waiter
+        # that comes at this moment is seen at the holder's next check: a step body checks at
+        # every remote call.)
         if not self._waiters and not self._places:
             return False
-        return self.contested(self._local.priority)
+        return self.held() and self.contested(self._local.priority)
 
     def give_up_held(self) -> None:
         """(Its holder.) Give the lock up until this thread takes it again (`take`)."""
@@ -344,20 +345,31 @@ class ComputeLock:
         `more()` says more is coming. `place`: the one `keep_place` kept for this work."""
         return _Hold(self, priority, key, more, place)
 
-    @contextlib.contextmanager
-    def released(self, take_back: bool = True) -> Iterator[None]:
+    def released(self, take_back: bool = True) -> ContextManager[None]:
         """Give the lock up while this thread waits on the network; take it back afterwards
         with the same priority (unless not `take_back`)."""
-        if not self.held():
-            yield
-            return
-        priority, key, trace = self._local.priority, self._local.key, self._local.trace
-        self.give_up_held()
-        try:
-            yield
-        finally:
-            if take_back:
-                self.acquire(priority, key, trace=trace)
+        return _Released(self, take_back)
+
+
+class _Released:
+    """`ComputeLock.released`'s context (a class: a generator's costs more, at every wait)."""
+
+    __slots__ = ("_lock", "_take_back", "_as")
+
+    def __init__(self, lock: ComputeLock, take_back: bool) -> None:
+        self._lock, self._take_back, self._as = lock, take_back, None
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        if lock.held():
+            local = lock._local
+            self._as = (local.priority, local.key, local.trace)  # (what it takes it back as)
+            lock.give_up_held()
+
+    def __exit__(self, *exc) -> None:
+        if self._as is not None and self._take_back:
+            priority, key, trace = self._as
+            self._lock.acquire(priority, key, trace=trace)
 
 
 class _Hold:

@@ -153,21 +153,24 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         # Per-microbatch bookkeeping, under one condition: requests received and not yet served,
         # forwards among them, graphs kept, and what pp_rank 0 said is over. Its lock is taken
         # as `with self._cond_lock` (Condition's own `with` is a Python call each way, and the
-        # serving path enters it several times per request).
+        # serving path enters it several times per request). The counts are defaultdicts, not
+        # Counters: a Counter's missing key is a Python call (`__missing__`), a new microbatch's
+        # first count on every rank.
         self._cond_lock = threading.RLock()
         self._cond = threading.Condition(self._cond_lock)
-        self._requests: collections.Counter = collections.Counter()
-        self._forwards: collections.Counter = collections.Counter()
-        self._graphs: collections.Counter = collections.Counter()
+        self._requests: Dict[int, int] = collections.defaultdict(int)
+        self._forwards: Dict[int, int] = collections.defaultdict(int)
+        self._graphs: Dict[int, int] = collections.defaultdict(int)
         self._fwd_done: set = set()
         self._mb_done: set = set()
         self._admitted: set = set()
+        self._first_unadmitted = 0  # (no microbatch below it is outside `_admitted`)
         self._live: set = set()
         self._visited: Dict[int, set] = collections.defaultdict(set)  # pp_rank 0: peers called
         # pp_rank 0: the peers that will push it an input gradient in a microbatch's backward.
         self._pushers: Dict[int, set] = collections.defaultdict(set)
         # pp_rank 0: calls of a microbatch made with grad whose backward request has not left.
-        self._backwards_to_issue: collections.Counter = collections.Counter()
+        self._backwards_to_issue: Dict[int, int] = collections.defaultdict(int)
         # pp_rank 0: the chains a microbatch's calls made (calls.py, `_Chain`), until its forward
         # is over.
         self._open_chains: Dict[int, list] = collections.defaultdict(list)
@@ -179,7 +182,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self._tickets = itertools.count()
         self._turn = 0
         self._step = -1  # the step in progress
-        self._regions_done: collections.Counter = collections.Counter()
+        self._regions_done: Dict[Tuple[str, int], int] = collections.defaultdict(int)
         self._regions_per_mb = {FORWARD: 0, BACKWARD: 0}
         # Nested calls: the ranks whose modules this rank's may call from inside (a module of
         # this rank with a descendant elsewhere), the ranks that may call this one's so, and

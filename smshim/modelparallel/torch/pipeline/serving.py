@@ -26,9 +26,6 @@ from smshim.modelparallel.torch.state import state
 
 logger = logging.getLogger(__name__)
 
-# A context that does nothing (the lock already held).
-_HELD = contextlib.nullcontext()
-
 
 def _needs(msg: Message) -> List[Any]:
     """The store keys a FWD_REQ / BWD_REQ waits for."""
@@ -275,25 +272,20 @@ class OwnerSide:
 
 
     def _serve_forward(self, msg: Message) -> None:
+        """Run the request's call, and the calls of its chain that came inside it (calls.py,
+        `_follow_on`), one after another in one turn of the compute lock, without each one's
+        dispatch, queueing and lock turn; then `_chain` looks for the next request to serve in
+        this turn."""
         template_bytes, enc, requires, grad_enabled, reply, expect, amp, below, more = msg.meta
-        if msg.src == 0:
-            self._admit(msg.microbatch, msg.step)
-        if not more:
-            self._forward_call(msg, msg.call_id, msg.module, template_bytes, enc, requires,
-                               grad_enabled, reply, expect, amp, below,
-                               getattr(msg, "place", None))
-            return
-        # A chain's calls in one request (calls.py, `_follow_on`): served one after another
-        # in one turn of the compute lock, as `_chain` serves separate requests, without each
-        # one's dispatch, queueing and lock turn.
         mb = msg.microbatch
+        if msg.src == 0:
+            self._admit(mb, msg.step)
         with self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
                             lambda: self._more_regions(FORWARD, mb),
                             getattr(msg, "place", None)) as hold:
             try:
                 self._forward_call(msg, msg.call_id, msg.module, template_bytes, enc,
-                                   requires, grad_enabled, reply, expect, amp, below,
-                                   chain=False)
+                                   requires, grad_enabled, reply, expect, amp, below)
                 for call_id, module, template_bytes, enc, requires, grad_enabled, expect, amp, \
                         below in more:
                     # Each call counts as a module run (the hold counts the last), as when
@@ -301,7 +293,7 @@ class OwnerSide:
                     self._more_regions(FORWARD, mb)
                     msg.module = module  # (`_serve_one`'s error names the module that failed)
                     self._forward_call(msg, call_id, module, template_bytes, enc, requires,
-                                       grad_enabled, None, expect, amp, below, chain=False)
+                                       grad_enabled, None, expect, amp, below)
             except BaseException:
                 self._queue_candidate()
                 raise
@@ -310,17 +302,23 @@ class OwnerSide:
 
     def _forward_call(self, msg: Message, call_id: int, module: str, template_bytes: bytes,
                       enc: list, requires: List[bool], grad_enabled: bool,
-                      reply: Optional[str], expect: Optional[bytes], amp, below: Optional[int],
-                      place: Optional[tuple] = None, chain: bool = True) -> None:
-        """One call of request `msg` (its own, or a follow-on's): `module` runs on the inputs
-        that `enc` names; its results are delivered, then its forward is marked done."""
+                      reply: Optional[str], expect: Optional[bytes], amp,
+                      below: Optional[int]) -> None:
+        """One call of request `msg` (its own, or a follow-on's), the compute lock held:
+        `module` runs on the inputs that `enc` names; its results are delivered, then its
+        forward is marked done."""
         what = lambda: (f"an input of the forward of module '{module}' (microbatch "  # noqa: E731
                         f"{msg.microbatch}, step {msg.step})")  # (on error)
-        tensors = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        # (An inline tensor without `_decode`'s call: most inputs of a request.)
+        tensors = [msg.tensors[e[1]] if e is not None and e[0] == "t"
+                   else self._decode(e, msg.tensors, msg.src, what) for e in enc]
         template = loads_template(template_bytes)
 
         def deliver(out_template, outs, out_rg) -> None:
-            metas = [(tuple(t.shape), t.dtype, rg) for t, rg in zip(outs, out_rg)]
+            metas, values = [], []  # (one loop: a comprehension is a call, on every module run)
+            for t, rg in zip(outs, out_rg):
+                metas.append((tuple(t.shape), t.dtype, rg))
+                values.append(t.detach())
             if expect is not None and _expectation(out_template, metas) != expect:
                 expected = pickle.loads(expect)
                 raise PipelineError(
@@ -330,20 +328,18 @@ class OwnerSide:
                     "other ranks ahead of the caller, predicting their outputs' structure and "
                     "shapes from the input shapes; for a module whose outputs depend on input "
                     f"values, set {PREDICT_ENV}=0")
-            outs = [t.detach() for t in outs]
             if reply is not None:
                 self.transport.send(msg.src, Message(
                     FWD_REPLY, msg.step, msg.microbatch, call_id, module,
-                    meta=(out_template, metas), tensors=outs if reply == "data" else []))
+                    meta=(out_template, metas), tensors=values if reply == "data" else []))
             if reply != "data":  # handles on the caller: keep the values for whoever needs them
-                for i, t in enumerate(outs):
+                for i, t in enumerate(values):
                     self._keep((msg.src, call_id, "out", i), t, msg.microbatch, msg.step)
 
         self._execute_forward(msg.src, call_id, module, msg.step, msg.microbatch,
-                              template, tensors, requires, grad_enabled, deliver,
-                              place=place, amp=amp,
+                              template, tensors, requires, grad_enabled, deliver, amp=amp,
                               links=_links(enc, msg.src, self.me) if msg.src == 0 else (),
-                              below=below if msg.src == 0 else None, chain=chain)
+                              below=below if msg.src == 0 else None)
         self.store.put((msg.src, call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
@@ -386,71 +382,69 @@ class OwnerSide:
 
     def _keep(self, key, value: torch.Tensor, mb: int, step: int) -> None:
         """Hold a value for peers; send it to those who asked for it already."""
-        for dst, later in self.store.put(key, value, mb):
-            self._send_value(dst, key, value, mb, step, later)
+        wanted = self.store.put(key, value, mb)
+        if wanted:
+            for dst, later in wanted:
+                self._send_value(dst, key, value, mb, step, later)
 
 
     def _execute_forward(self, caller: int, call_id: int, name: str, step: int, mb: int,
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
-                         place: Optional[tuple] = None, amp: autocast_state.State = None,
-                         links=(), below: Optional[int] = None, chain: bool = True):
-        """Run module `name` on inputs cut from the caller's graph; keep the graph for backward.
-        `deliver(out_template, outs, out_rg)` runs before the compute lock is given up, so that
-        results on their way to another rank leave before the next module here starts. `place`:
-        the one the request kept in the compute lock's queue (see Schedule.strict_order). `amp`:
-        the caller's autocast state. `links`: which inputs are outputs of earlier calls here
-        (`_links`), kept with the graph. `below`: the call before this one in its chain
-        (calls.py, `_Chain`), whose outputs this one takes as they are in its graph: the
-        chain's graphs are one, and its backward one pass of autograd (`_execute_backward`).
-        `chain`: look for the next request to serve in this turn (`_chain`); not inside a
-        request of several calls, which does so after its last."""
+                         amp: autocast_state.State = None, links=(),
+                         below: Optional[int] = None):
+        """(The compute lock held: `_serve_forward`.) Run module `name` on inputs cut from the
+        caller's graph; keep the graph for backward. `deliver(out_template, outs, out_rg)` runs
+        before the compute lock is given up, so that results on their way to another rank leave
+        before the next module here starts. `amp`: the caller's autocast state. `links`: which
+        inputs are outputs of earlier calls here (`_links`), kept with the graph. `below`: the
+        call before this one in its chain (calls.py, `_Chain`), whose outputs this one takes as
+        they are in its graph: the chain's graphs are one, and its backward one pass of autograd
+        (`_execute_backward`)."""
         inputs = [t.detach().requires_grad_(rg and grad_enabled)
                   if (t.is_floating_point() or t.is_complex()) else t
                   for t, rg in zip(tensors, requires)]
         if below is not None:
             below = _join(inputs, self._saved.get((caller, below)), links, below) \
                 if grad_enabled else None
-        # (Inside a request of several calls, its own hold has the lock: `_serve_forward`.)
-        with (self.lock.hold(self._priority(FORWARD, mb), (FORWARD, mb),
-                             lambda: self._more_regions(FORWARD, mb), place)
-              if chain else _HELD) as hold:
-            args, kwargs = fill(template, inputs)
-            if amp is None and not self.timeline.enabled \
-                    and grad_enabled == torch.is_grad_enabled():
-                # (The usual case: no context to enter, each a Python call or two.)
+        args, kwargs = fill(template, inputs)
+        if amp is None and not self.timeline.enabled \
+                and grad_enabled == torch.is_grad_enabled():
+            # (The usual case: no context to enter, each a Python call or two.)
+            out = self.real_forward(name)(*args, **kwargs)
+        else:
+            with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
+                                    caller=caller), \
+                    torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                 out = self.real_forward(name)(*args, **kwargs)
-            else:
-                with self.timeline.span(name or "<root>", "forward", microbatch=mb, step=step,
-                                        caller=caller), \
-                        torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
-                    out = self.real_forward(name)(*args, **kwargs)
-            out_template, outs = flatten(out)
-            # The results leave this rank as values (handles live on pp_rank 0 only, and its
-            # own modules run in its step bodies, not here). A handle that is part of the graph
-            # (a lazy sum of a call's output and a value, say) is read through its dispatch
-            # (`clone`), which keeps it there: its raw value would cut the backward off from
-            # the module's parameters.
-            outs = [t.clone() if isinstance(t, RemoteTensor) and t.requires_grad
-                    else self._real(t) for t in outs]
-            out_rg = [grad_enabled and t.requires_grad for t in outs]
-            if any(out_rg):
-                with self._cond_lock:
-                    self._forward_microbatches.add(mb)
-                    self._saved[(caller, call_id)] = (inputs, outs, mb, links, below)
-                    if caller == 0:  # (a nested call's graph lives until the step's end)
-                        self._graphs[mb] += 1
-                        if self._graphs[mb] == 1:
-                            # Microbatches whose activations this rank holds (for the memory
-                            # benchmark): a graph counts until its backward is over, not only
-                            # until one starts waiting for the compute lock.
-                            live = sum(1 for n in self._graphs.values() if n > 0)
-                            self.peak_live_microbatches = max(self.peak_live_microbatches, live)
-            if deliver is not None:
-                self._deliver(deliver, (out_template, outs, out_rg),
-                              (FORWARD, mb) if caller == 0 else None)
-            if chain:
-                self._chain(hold, FORWARD, mb, caller)
+        out_template, outs = flatten(out)
+        # The results leave this rank as values (handles live on pp_rank 0 only, and its
+        # own modules run in its step bodies, not here). A handle that is part of the graph
+        # (a lazy sum of a call's output and a value, say) is read through its dispatch
+        # (`clone`), which keeps it there: its raw value would cut the backward off from
+        # the module's parameters.
+        out_rg, any_rg = [], False
+        for i, t in enumerate(outs):  # (`flatten`'s list, this call's own)
+            if isinstance(t, RemoteTensor):
+                outs[i] = t = t.clone() if t.requires_grad else t.materialize()
+            rg = grad_enabled and t.requires_grad
+            out_rg.append(rg)
+            any_rg = any_rg or rg
+        if any_rg:
+            with self._cond_lock:
+                self._forward_microbatches.add(mb)
+                self._saved[(caller, call_id)] = (inputs, outs, mb, links, below)
+                if caller == 0:  # (a nested call's graph lives until the step's end)
+                    self._graphs[mb] += 1
+                    if self._graphs[mb] == 1:
+                        # Microbatches whose activations this rank holds (for the memory
+                        # benchmark): a graph counts until its backward is over, not only
+                        # until one starts waiting for the compute lock.
+                        live = sum(1 for n in self._graphs.values() if n > 0)
+                        self.peak_live_microbatches = max(self.peak_live_microbatches, live)
+        if deliver is not None:
+            self._deliver(deliver, (out_template, outs, out_rg),
+                          (FORWARD, mb) if caller == 0 else None)
         return out_template, outs, out_rg
 
 

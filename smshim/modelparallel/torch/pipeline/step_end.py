@@ -12,7 +12,6 @@ from typing import Any, Callable, List
 
 import torch
 
-from smshim.modelparallel.torch.pipeline.admission import _nested_key
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor
 from smshim.modelparallel.torch.pipeline.scheduler import Schedule
@@ -46,6 +45,7 @@ class StepEnd:
             for c in (self._requests, self._forwards, self._graphs, self._regions_done,
                       self._backwards_to_issue):
                 c.clear()
+            self._first_unadmitted = 0
             self._turn = 0
             self._tickets = itertools.count()
         self.turns.reset()
@@ -140,7 +140,7 @@ class StepEnd:
                 self.transport.send_later(peer, Message(MB_DONE, ctx.step, mb))
         if handles:
             out = fill(template, [self._real(t) for t in tensors])
-        self.store.drop_microbatch(mb, keep=_nested_key)
+        self.store.drop_microbatch(mb, keep_nested=True)
         return out
 
 

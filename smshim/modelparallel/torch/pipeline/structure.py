@@ -25,6 +25,10 @@ class _Slot:
         return (_Slot, (self.index,))
 
 
+# The template of one tensor (most modules' outputs), shared: nothing changes a slot.
+_SLOT_0 = _Slot(0)
+
+
 def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """Rebuild nested list/tuple/namedtuple/dict (subclasses too) with `fn` applied to leaves."""
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -48,7 +52,7 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     # The common cases without the walk (every module call goes through here, on both ends):
     # one tensor (a module's output), and a call's (args, kwargs) with tensor arguments only.
     if isinstance(obj, torch.Tensor):
-        return _Slot(0), [obj]
+        return _SLOT_0, [obj]
     if _plain_call(obj):
         args = obj[0]
         if len(args) == 1 and isinstance(args[0], torch.Tensor):  # (without a generator)

@@ -25,12 +25,16 @@ from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 
 Key = Tuple[Any, ...]
 
+_NONE: List[Tuple[int, bool]] = []  # (never changed: `put`'s "nobody asked")
+
 
 class ValueStore:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._values: Dict[Key, Tuple[torch.Tensor, int]] = {}
+        # The keys of each microbatch's values (dropping a microbatch looks at its own only).
+        self._by_microbatch: Dict[int, List[Key]] = {}
         self._wanted: Dict[Key, List[Tuple[int, bool]]] = {}  # (dst, later)
         self._waiters: Dict[Key, List[tuple]] = {}
         # Threads in `get`, by the key they wait for: a value wakes only its own waiters (on
@@ -41,18 +45,30 @@ class ValueStore:
     def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[Tuple[int, bool]]:
         """Keep `value`; returns the ranks that asked for it before it existed (send it to them),
         each with whether it may go with the next frame (see `want`)."""
-        ready = []
+        ready = None
         with self._lock:
-            self._values[key] = (value, microbatch)
-            for event in self._getters.get(key, ()):
-                event.set()
-            for waiter in self._waiters.pop(key, []):
-                waiter[0].discard(key)
-                if not waiter[0]:
-                    ready.append(waiter[1])
-            wanted = self._wanted.pop(key, [])
-        for fn in ready:
-            fn()
+            values = self._values
+            if key not in values:
+                keys = self._by_microbatch.get(microbatch)
+                if keys is None:
+                    self._by_microbatch[microbatch] = [key]
+                else:
+                    keys.append(key)
+            values[key] = (value, microbatch)
+            if self._getters:
+                for event in self._getters.get(key, ()):
+                    event.set()
+            waiters = self._waiters.pop(key, None) if self._waiters else None
+            if waiters:
+                ready = []
+                for waiter in waiters:
+                    waiter[0].discard(key)
+                    if not waiter[0]:
+                        ready.append(waiter[1])
+            wanted = self._wanted.pop(key, _NONE) if self._wanted else _NONE
+        if ready:
+            for fn in ready:
+                fn()
         return wanted
 
     def when_ready(self, keys, fn: Callable[[], None]) -> None:
@@ -117,17 +133,27 @@ class ValueStore:
                         if not getters:
                             del self._getters[key]
 
-    def drop_microbatch(self, microbatch: int,
-                        keep: Optional[Callable[[Key], bool]] = None) -> None:
-        """Drop the microbatch's values, but those whose key `keep` says to keep."""
+    def drop_microbatch(self, microbatch: int, keep_nested: bool = False) -> None:
+        """Drop the microbatch's values; with `keep_nested`, but those of nested calls (made
+        by another rank than pp_rank 0: a key's first item is its caller), which stay until the
+        step's end."""
         with self._lock:
-            for key in [k for k, (_, mb) in self._values.items()
-                        if mb == microbatch and not (keep and keep(k))]:
-                del self._values[key]
+            keys = self._by_microbatch.pop(microbatch, None)
+            if not keys:
+                return
+            kept = []
+            for key in keys:
+                if keep_nested and key[0] != 0:
+                    kept.append(key)
+                else:
+                    self._values.pop(key, None)
+            if kept:
+                self._by_microbatch[microbatch] = kept
 
     def clear(self) -> None:
         with self._lock:
             self._values.clear()
+            self._by_microbatch.clear()
             self._wanted.clear()
             self._waiters.clear()
 
