@@ -14,9 +14,8 @@ import time
 import pytest
 import torch
 
-from smshim.runtime.launch import free_port
 from smshim.launcher.multinode import run_id
-from smshim.testing import RankFailure
+from smshim.testing import RankFailure, held_port
 from tests.usage_helpers.models import assert_close, batches, reference
 
 HERE = os.path.dirname(__file__)
@@ -80,8 +79,8 @@ def test_every_node_derives_the_same_run_id():
 
 
 def test_two_nodes_train_pp2_dp2_equal_to_one_process(tmp_path):
-    port = free_port()
-    results = _wait([_start(tmp_path, 0, port), _start(tmp_path, 1, port)], timeout=150)
+    with held_port() as port:
+        results = _wait([_start(tmp_path, 0, port), _start(tmp_path, 1, port)], timeout=150)
     for rc, text in results:
         assert rc == 0, text[-4000:]
     merged, _ = _params(tmp_path)
@@ -89,10 +88,11 @@ def test_two_nodes_train_pp2_dp2_equal_to_one_process(tmp_path):
 
 
 def test_two_nodes_with_max_restarts_survive_a_killed_worker(tmp_path):
-    port = free_port()
     kill = {"KILL_AT_STEP": "1", "KILL_RANK": "3"}  # node 1's second worker, first attempt
-    procs = [_start(tmp_path, n, port, "--max-restarts", "1", env=kill) for n in (0, 1)]
-    for rc, text in _wait(procs, timeout=200):
+    with held_port() as port:
+        procs = [_start(tmp_path, n, port, "--max-restarts", "1", env=kill) for n in (0, 1)]
+        results = _wait(procs, timeout=200)
+    for rc, text in results:
         assert rc == 0, text[-4000:]
     merged, dumps = _params(tmp_path)
     assert all(d["attempt"] != "0" for d in dumps if d["dp_rank"] == 1)  # node 1 restarted
@@ -116,9 +116,10 @@ RESTARTS = pytest.mark.parametrize("restarts", [[], ["--max-restarts", "1"]],
 
 @RESTARTS
 def test_a_node_whose_peers_never_come_says_so(tmp_path, restarts):
-    port = free_port()
     t0 = time.monotonic()
-    [(rc, text)] = _wait([_start(tmp_path, 0, port, "--rdzv-timeout", "5", *restarts)], timeout=60)
+    with held_port() as port:
+        [(rc, text)] = _wait([_start(tmp_path, 0, port, "--rdzv-timeout", "5", *restarts)],
+                             timeout=60)
     assert rc == 3 and time.monotonic() - t0 < 45, text
     assert f"only 1 of 2 nodes arrived at the rendezvous on 127.0.0.1:{port} within 5 s" in text
     assert "--node-rank I" in text and "--rdzv-timeout" in text
@@ -137,10 +138,10 @@ def test_a_node_without_node_0_names_the_address(tmp_path, restarts):
 
 
 def test_nodes_with_different_run_ids_are_told(tmp_path):
-    port = free_port()
-    procs = [_start(tmp_path, 0, port, "--rdzv-timeout", "5", "--run-id", "a"),
-             _start(tmp_path, 1, port, "--rdzv-timeout", "5", "--run-id", "b")]
-    results = _wait(procs, timeout=60)
+    with held_port() as port:
+        procs = [_start(tmp_path, 0, port, "--rdzv-timeout", "5", "--run-id", "a"),
+                 _start(tmp_path, 1, port, "--rdzv-timeout", "5", "--run-id", "b")]
+        results = _wait(procs, timeout=60)
     assert all(rc == 3 for rc, _ in results), results
     assert any("came with another run id: give every node the same --run-id" in t
                for _, t in results), results

@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from smshim.runtime.launch import free_port
-from smshim.testing import run_command, run_ranks
+from smshim.testing import held_port, run_command, run_ranks
 from tests.smp_scripts.comm_checks import check_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,9 +63,9 @@ def test_comm_under_mpirun_auto_init(tmp_path):
 def test_mpirun_manual_init(tmp_path):
     # SMP_MANUAL_INIT=1: no init on import; the script's own smp.init(config) merges with the env.
     # With no MASTER_PORT from the launcher, ddp_port becomes the rendezvous port.
-    port = free_port()
-    results = _mpirun(tmp_path, {ENV: json.dumps({"microbatches": 2}), "SMP_MANUAL_INIT": "1"},
-                      json.dumps({"ddp": True, "ddp_port": port}))
+    with held_port() as port:
+        results = _mpirun(tmp_path, {ENV: json.dumps({"microbatches": 2}), "SMP_MANUAL_INIT": "1"},
+                          json.dumps({"ddp": True, "ddp_port": port}))
     for r, res in enumerate(results):
         assert not res["at_import"] and res["master_port"] == str(port)
         assert res["pipeline_parallel_degree"] == 1 and res["dp_rank"] == r
@@ -74,11 +73,13 @@ def test_mpirun_manual_init(tmp_path):
 
 
 def test_auto_init_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT]
-    run_command(cmd, timeout=120, cwd=ROOT,
-                env={ENV: json.dumps({"partitions": 2}), "SMP_MANUAL_INIT": None,
-                     "SMSHIM_TIMEOUT": "60", "SMP_RESULT_DIR": str(tmp_path)})
+    with held_port() as port:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               SCRIPT]
+        run_command(cmd, timeout=120, cwd=ROOT,
+                    env={ENV: json.dumps({"partitions": 2}), "SMP_MANUAL_INIT": None,
+                         "SMSHIM_TIMEOUT": "60", "SMP_RESULT_DIR": str(tmp_path)})
     results = _results(tmp_path)
     assert [r["rank"] for r in results] == [0, 1]
     for r, res in enumerate(results):
