@@ -20,7 +20,7 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
-from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten
+from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten_call
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
@@ -129,16 +129,9 @@ class _RemoteCall(torch.autograd.Function):
         return (None, None, None, *in_grads)
 
 
-def _apply_remote_call(*args):
-    """`_RemoteCall.apply(*args)` without `Function.apply`'s Python wrapper (its checks for
-    `setup_context` and functorch's wrappers cost a tenth of a small module call), unless
-    functorch transforms are active, which need it."""
-    if torch._C._are_functorch_transforms_active():
-        return _RemoteCall.apply(*args)
-    return _C_APPLY(*args)
-
-
-# `Function.apply` calls this after its checks (torch/autograd/function.py).
+# `_RemoteCall.apply` without `Function.apply`'s Python wrapper (its checks for `setup_context`
+# and functorch's wrappers cost a tenth of a small module call), which calls this after its
+# checks (torch/autograd/function.py); unless functorch transforms are active, which need it.
 _C_APPLY = super(torch.autograd.Function, _RemoteCall).apply
 
 
@@ -219,7 +212,7 @@ class CallerSide:
             # children) called where it lives: pp_rank 0's step body runs its own modules in
             # its own graph, under the compute lock it holds (pipeline.py).
             return self.real_forward(name)(*args, **kwargs)
-        template, tensors = flatten((args, kwargs))
+        template, tensors = flatten_call(args, kwargs)
         grad = torch.is_grad_enabled()
         # (One pass, not a comprehension per list: this runs for every remote call.)
         in_meta, requires, remote_in, leaf_in = [], [], [], []
@@ -235,14 +228,19 @@ class CallerSide:
             self._step_aside()
         if grad:
             call.tensors = tensors
+            apply = _RemoteCall.apply if torch._C._are_functorch_transforms_active() \
+                else _C_APPLY
             if self.me == 0:
                 self._link(call, tensors)
-                outputs = list(_apply_remote_call(self, call, self._anchor, *call.chain.inputs))
+                outputs = apply(self, call, self._anchor, *call.chain.inputs)
             else:
-                outputs = list(_apply_remote_call(self, call, self._anchor, *tensors))
+                outputs = apply(self, call, self._anchor, *tensors)
         else:
             outputs = self._forward(call, tensors, grad_enabled=False)
-        return fill(call.out_template, outputs)
+        out_template = call.out_template
+        if type(out_template) is _Slot:  # (one tensor, most modules: `fill` without its call)
+            return outputs[out_template.index]
+        return fill(out_template, list(outputs))
 
 
     def _link(self, call: _Call, tensors: List[torch.Tensor]) -> None:

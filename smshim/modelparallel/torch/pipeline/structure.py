@@ -70,6 +70,20 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     return _map_leaves(obj, to_slot), tensors
 
 
+def flatten_call(args: tuple, kwargs: dict) -> Tuple[Any, List[torch.Tensor]]:
+    """`flatten((args, kwargs))` for a module call's arguments, in one Python call when they
+    are tensors only (pp_rank 0 makes one for every call to a module on another rank)."""
+    if not kwargs and type(args) is tuple:
+        template = _PLAIN_BY_ARITY.get(len(args))
+        if template is not None:
+            for a in args:
+                if not isinstance(a, torch.Tensor):
+                    break
+            else:
+                return template, list(args)
+    return flatten((args, kwargs))
+
+
 def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of `flatten`."""
     if type(template) is _Slot:
