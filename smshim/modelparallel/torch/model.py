@@ -233,16 +233,18 @@ class DistributedModel(nn.Module):
         scaler = getattr(state.optimizer, "loss_scaler", None)
         if scaler is not None:
             scale *= scaler.scale
+        # Scaling each microbatch's gradient by 1/m averages over microbatches without touching
+        # gradients accumulated before this step.
         for t, g in zip(tensors, grad_tensors):
             if g is None:
                 if t.numel() != 1:
                     raise ValueError("model.backward: grad_tensors is needed for a non-scalar tensor")
                 # From the metadata only: `t` may be a handle to a loss on another rank, whose
-                # value rank 0 does not need for the backward.
-                g = torch.ones(t.shape, dtype=t.dtype, device=t.device)
-            # Scaling each microbatch's gradient by 1/m averages over microbatches without
-            # touching gradients accumulated before this step.
-            grads.append(g * scale if scale != 1.0 else g)
+                # value rank 0 does not need for the backward. (`full`: ones times the scale,
+                # rounded to the dtype alike, in one op.)
+                grads.append(torch.full(t.shape, scale, dtype=t.dtype, device=t.device))
+            else:
+                grads.append(g * scale if scale != 1.0 else g)
         if self._pipeline is not None:
             self._pipeline.backward(tensors, grads)
         else:
