@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,8 +24,6 @@ from smshim.modelparallel.torch.pipeline.messages import PipelineError
 from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 
 Key = Tuple[Any, ...]
-
-_NONE: List[Tuple[int, bool]] = []  # (never changed: `put`'s "nobody asked")
 
 
 class ValueStore:
@@ -42,7 +40,7 @@ class ValueStore:
         self._getters: Dict[Key, List[Wakeup]] = {}
         self._error: Optional[BaseException] = None
 
-    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> List[Tuple[int, bool]]:
+    def put(self, key: Key, value: torch.Tensor, microbatch: int) -> Sequence[Tuple[int, bool]]:
         """Keep `value`; returns the ranks that asked for it before it existed (send it to them),
         each with whether it may go with the next frame (see `want`)."""
         ready = None
@@ -65,7 +63,7 @@ class ValueStore:
                     waiter[0].discard(key)
                     if not waiter[0]:
                         ready.append(waiter[1])
-            wanted = self._wanted.pop(key, _NONE) if self._wanted else _NONE
+            wanted = self._wanted.pop(key, ()) if self._wanted else ()
         if ready:
             for fn in ready:
                 fn()
