@@ -48,6 +48,7 @@ from smshim.timeline.recorder import Timeline
 from smshim.modelparallel.torch.pipeline.messages import (STEP_END, Message, PipelineError)
 from smshim.modelparallel.torch.pipeline.channels import DeviceChannel
 from smshim.modelparallel.torch.pipeline.transport import Transport
+from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 from smshim.modelparallel.torch.pipeline.workers import Workers, adopt_intra_op_threads
 from smshim.runtime import scheduling
 
@@ -231,7 +232,7 @@ class Pipeline:
             finally:
                 returned[mb].set()
 
-        returned = [threading.Event() for _ in range(m)]
+        returned = [Wakeup() for _ in range(m)]  # (waited for only after a failure)
         with self._cond_lock:
             # A microbatch stops counting against rank 0's limit when its backward here is done
             # (its activations are gone), not when its body has fetched its results; the body

@@ -38,12 +38,11 @@ transport; every waiter wakes up and raises it, naming the peer.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import pickle
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -86,6 +85,22 @@ class _Holding(threading.local):
     def __init__(self) -> None:
         self.peers: List[int] = []
         self.together = False
+
+
+class _Together:
+    """`Transport.together`'s context (a class: a generator's costs more, once a microbatch)."""
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: "Transport") -> None:
+        self._transport = transport
+
+    def __enter__(self) -> None:
+        self._transport._holding.together = True
+
+    def __exit__(self, *exc) -> None:
+        self._transport._holding.together = False
+        self._transport.flush()
 
 
 class Transport:
@@ -293,16 +308,10 @@ class Transport:
                 return False
             return extend(box.items[-1][0])
 
-    @contextlib.contextmanager
-    def together(self) -> Iterator[None]:
+    def together(self) -> ContextManager[None]:
         """What this thread holds inside leaves at the end, one frame per peer (the calls
         moving on to another peer do not flush it)."""
-        self._holding.together = True
-        try:
-            yield
-        finally:
-            self._holding.together = False
-            self.flush()
+        return _Together(self)
 
     def _send(self, peer: int, msgs: List[Message],
               done: Optional[threading.Event]) -> Optional[threading.Event]:
