@@ -10,20 +10,28 @@ Schedule1F1B), in the same processes, and report medians over several steps.
 `criterion(model(x), y)` and Hugging Face models compute theirs): on pp_rank 0, from the last
 stage's output; torch's runs keep `loss_fn` on the last stage.
 
+`--gaps` also says where each system's step lost time against the theory: every stage stamps
+its sleeps, and each sleep's start is set against the later of its input's end (the previous
+stage's forward of the microbatch, the next stage's backward, or the last stage's own forward)
+and its stage's previous sleep's end: a "hop" when the input came last (the transfer and the
+work on both sides of it), a "turn" when the stage's own previous sleep did (the stage going
+from one piece of work to the next).
+
     python benchmarks/pipeline_schedules.py [--tf-ms 20] [--steps 5] [--p 4] [--m 8 16]
-                                            [--loss stage|glue]
+                                            [--loss stage|glue] [--gaps]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,13 +41,22 @@ from smshim.testing import run_ranks  # noqa: E402
 
 DEVICE_LOCK = threading.Lock()  # one "device" per process
 
+# `--gaps`: this process's sleeps, ("F" or "B", microbatch, start, end); None: not recorded.
+_SLEEPS: Optional[list] = None
+
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tf, tb):
         ctx.tb = tb
+        # (With --gaps each microbatch's inputs hold its index: `_inputs`.)
+        ctx.mb = int(x.reshape(-1)[0]) if _SLEEPS is not None else -1
         with DEVICE_LOCK:
+            t0 = time.perf_counter()
             time.sleep(tf)
+            t1 = time.perf_counter()
+        if _SLEEPS is not None:
+            _SLEEPS.append(("F", ctx.mb, t0, t1))
         return x.clone()
 
     @staticmethod
@@ -48,8 +65,57 @@ class _Sleep(torch.autograd.Function):
         # it may be a handle to one still on its way from the next stage).
         g = g.clone()
         with DEVICE_LOCK:
+            t0 = time.perf_counter()
             time.sleep(ctx.tb)
+            t1 = time.perf_counter()
+        if _SLEEPS is not None:
+            _SLEEPS.append(("B", ctx.mb, t0, t1))
         return g, None, None
+
+
+def _inputs(m: int, gaps: bool) -> torch.Tensor:
+    """A step's batch: with `gaps`, row i (microbatch i's) holds i, which the stages pass on."""
+    if not gaps:
+        return torch.ones(m, 4)
+    return torch.arange(m, dtype=torch.float32)[:, None].expand(m, 4).contiguous()
+
+
+def _recording(gaps: bool) -> None:
+    global _SLEEPS
+    _SLEEPS = [] if gaps else None
+
+
+def _gaps(results: list, p: int) -> Dict[str, Tuple[float, float]]:
+    """(Sum in ms, count) a step of each kind of gap (see the module docstring), medians over
+    the steps; `results[r]["sleeps"][step]` is stage r's sleeps."""
+    per_step = []
+    for step in range(len(results[0]["sleeps"])):
+        ops = {(r, kind, mb): (t0, t1) for r in range(p)
+               for kind, mb, t0, t1 in results[r]["sleeps"][step]}
+        sums: Dict[str, float] = collections.defaultdict(float)
+        counts: Dict[str, int] = collections.defaultdict(int)
+        for r in range(p):
+            prev_end = None
+            for (t0, _), (kind, mb) in sorted((v, k[1:]) for k, v in ops.items() if k[0] == r):
+                if kind == "F":
+                    dep = ops.get((r - 1, "F", mb), (0, None))[1] if r > 0 else None
+                else:
+                    dep = ops.get((r + 1, "B", mb), (0, None))[1] if r < p - 1 \
+                        else ops[(r, "F", mb)][1]
+                if dep is not None and (prev_end is None or dep >= prev_end):
+                    name, ready = f"hop {kind}" if r < p - 1 or kind == "F" else "last F to B", dep
+                elif prev_end is not None:
+                    name, ready = f"turn to {kind}", prev_end
+                else:
+                    name, ready = None, t0  # (a step's first sleep)
+                if name is not None:
+                    sums[name] += t0 - ready
+                    counts[name] += 1
+                prev_end = ops[(r, kind, mb)][1]
+        per_step.append((sums, counts))
+    names = sorted({n for sums, _ in per_step for n in sums})
+    return {n: (statistics.median(s[n] for s, _ in per_step) * 1e3,
+                statistics.median(c[n] for _, c in per_step)) for n in names}
 
 
 class SleepStage(nn.Module):
@@ -104,7 +170,7 @@ def stage_per_rank(cfg: dict, make_module: Callable[[], nn.Module]):
     return model, train_step
 
 
-def _smshim(p, m, tf, steps, schedule, glue_loss=False):
+def _smshim(p, m, tf, steps, schedule, glue_loss=False, gaps=False):
     # interleaved keeps the default active_microbatches, min(p + 2, m).
     cfg = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
            "auto_partition": False, "default_partition": 0}
@@ -112,17 +178,20 @@ def _smshim(p, m, tf, steps, schedule, glue_loss=False):
         cfg["active_microbatches"] = m
     model, train_step = stage_per_rank(cfg, lambda: SleepPipe(p, tf, glue_loss))
 
-    x = torch.ones(m, 4)
-    times = []
+    x = _inputs(m, gaps)
+    times, sleeps = [], []
     for _ in range(steps + 1):
+        _recording(gaps)
         t0 = time.perf_counter()
         train_step(model, x)
         times.append(time.perf_counter() - t0)
+        sleeps.append(_SLEEPS)
+    _recording(False)
     peak = model._pipeline.server.peak_live_microbatches
-    return {"times": times[1:], "peak_live": peak}
+    return {"times": times[1:], "peak_live": peak, "sleeps": sleeps[1:]}
 
 
-def _torch_pipelining(p, m, tf, steps, schedule):
+def _torch_pipelining(p, m, tf, steps, schedule, gaps=False):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -134,10 +203,11 @@ def _torch_pipelining(p, m, tf, steps, schedule):
     stage = PipelineStage(stage_mod, rank, p, torch.device("cpu"))
     cls = ScheduleGPipe if schedule == "simple" else Schedule1F1B
     sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
-    x = torch.ones(m, 4)
-    times = []
+    x = _inputs(m, gaps)
+    times, sleeps = [], []
     for _ in range(steps + 1):
         dist.barrier()
+        _recording(gaps)
         t0 = time.perf_counter()
         if rank == 0:
             sched.step(x)
@@ -146,7 +216,9 @@ def _torch_pipelining(p, m, tf, steps, schedule):
         else:
             sched.step()
         times.append(time.perf_counter() - t0)
-    return {"times": times[1:]}
+        sleeps.append(_SLEEPS)
+    _recording(False)
+    return {"times": times[1:], "sleeps": sleeps[1:]}
 
 
 def main() -> None:
@@ -158,6 +230,8 @@ def main() -> None:
     ap.add_argument("--loss", choices=["stage", "glue"], default="stage",
                     help="where the loss is computed: on the last stage, or in the root's forward")
     ap.add_argument("--out", default=None, help="default: results/pipeline_schedules[_glue].json")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also where each step lost time against the theory (see above)")
     a = ap.parse_args()
     if a.out is None:
         a.out = os.path.join(os.path.dirname(__file__), "results", "pipeline_schedules"
@@ -168,8 +242,9 @@ def main() -> None:
         theory = (m + a.p - 1) * 3 * tf
         for schedule in ("simple", "interleaved"):
             ours = run_ranks(_smshim, a.p, a.p, m, tf, a.steps, schedule, a.loss == "glue",
-                             timeout=600)
-            theirs = run_ranks(_torch_pipelining, a.p, a.p, m, tf, a.steps, schedule, timeout=600)
+                             a.gaps, timeout=600)
+            theirs = run_ranks(_torch_pipelining, a.p, a.p, m, tf, a.steps, schedule, a.gaps,
+                               timeout=600)
             ours_t = statistics.median(max(r["times"][i] for r in ours) for i in range(a.steps))
             theirs_t = statistics.median(max(r["times"][i] for r in theirs) for i in range(a.steps))
             rows.append({
@@ -180,6 +255,9 @@ def main() -> None:
                 "torch_name": "ScheduleGPipe" if schedule == "simple" else "Schedule1F1B",
                 "peak_live_microbatches": [r["peak_live"] for r in ours],
             })
+            if a.gaps:
+                rows[-1]["gaps_ms_and_count"] = {"smshim": _gaps(ours, a.p),
+                                                 "torch": _gaps(theirs, a.p)}
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
           f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
@@ -188,6 +266,16 @@ def main() -> None:
         print(f"{r['m']:>3} {r['schedule']:<12} {r['theory_s']:8.3f} {r['smshim_s']:8.3f} "
               f"{r['smshim_vs_theory']:8.3f} {r['torch_s']:8.3f} {r['smshim_vs_torch']:10.3f} "
               f"{str(r['peak_live_microbatches']):>24}  ({r['torch_name']})")
+    for r in rows:
+        if "gaps_ms_and_count" in r:
+            g = r["gaps_ms_and_count"]
+            print(f"m = {r['m']} {r['schedule']}: gaps a step (median), ms in all (count, mean)")
+            for name in sorted(set(g["smshim"]) | set(g["torch"])):
+                cells = []
+                for system in ("smshim", "torch"):
+                    total, n = g[system].get(name, (0.0, 0))
+                    cells.append(f"{system} {total:7.1f} ({n:4.0f}, {total / max(n, 1):.3f})")
+                print(f"  {name:<11} " + "   ".join(cells))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
