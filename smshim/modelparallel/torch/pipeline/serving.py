@@ -266,9 +266,10 @@ class OwnerSide:
             self._runq.put(self._request_priority(candidate), candidate, here=_serving.here)
 
 
-    def _what(self, msg: Message, direction: str) -> str:
-        return (f"{direction} of module '{msg.module}' (microbatch {msg.microbatch}, "
-                f"step {msg.step})")
+    def _what(self, msg: Message, direction: str, module: Optional[str] = None) -> str:
+        """The request's (or, `module`, one of its calls') forward or backward, for errors."""
+        return (f"{direction} of module '{msg.module if module is None else module}' "
+                f"(microbatch {msg.microbatch}, step {msg.step})")
 
 
     def _serve_forward(self, msg: Message) -> None:
@@ -307,8 +308,7 @@ class OwnerSide:
         """One call of request `msg` (its own, or a follow-on's), the compute lock held:
         `module` runs on the inputs that `enc` names; its results are delivered, then its
         forward is marked done."""
-        what = lambda: (f"an input of the forward of module '{module}' (microbatch "  # noqa: E731
-                        f"{msg.microbatch}, step {msg.step})")  # (on error)
+        what = lambda: f"an input of the {self._what(msg, 'forward', module)}"  # noqa: E731
         # (An inline tensor without `_decode`'s call: most inputs of a request.)
         tensors = [msg.tensors[e[1]] if e is not None and e[0] == "t"
                    else self._decode(e, msg.tensors, msg.src, what) for e in enc]

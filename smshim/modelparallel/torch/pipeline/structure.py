@@ -54,11 +54,25 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         return _SLOT_0, [obj]
     if _plain_call(obj):
-        args = obj[0]
-        if len(args) == 1 and isinstance(args[0], torch.Tensor):  # (without a generator)
-            return _plain_template(1), [args[0]]
-        if all(isinstance(a, torch.Tensor) for a in args):
-            return _plain_template(len(args)), list(args)
+        return flatten_call(obj[0], obj[1])
+    return _walk(obj)
+
+
+def flatten_call(args: tuple, kwargs: dict) -> Tuple[Any, List[torch.Tensor]]:
+    """`flatten((args, kwargs))` for a module call's arguments: tensors only, with the shared
+    template of their number, in one Python call (pp_rank 0 makes one for every call to a
+    module on another rank); anything else walked."""
+    if not kwargs and type(args) is tuple:
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                break
+        else:
+            return _PLAIN_BY_ARITY.get(len(args)) or _plain_template(len(args)), list(args)
+    return _walk((args, kwargs))
+
+
+def _walk(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
+    """`flatten` leaf by leaf."""
     tensors: List[torch.Tensor] = []
 
     def to_slot(leaf):
@@ -68,20 +82,6 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
         return leaf
 
     return _map_leaves(obj, to_slot), tensors
-
-
-def flatten_call(args: tuple, kwargs: dict) -> Tuple[Any, List[torch.Tensor]]:
-    """`flatten((args, kwargs))` for a module call's arguments, in one Python call when they
-    are tensors only (pp_rank 0 makes one for every call to a module on another rank)."""
-    if not kwargs and type(args) is tuple:
-        template = _PLAIN_BY_ARITY.get(len(args))
-        if template is not None:
-            for a in args:
-                if not isinstance(a, torch.Tensor):
-                    break
-            else:
-                return template, list(args)
-    return flatten((args, kwargs))
 
 
 def fill(template: Any, tensors: List[torch.Tensor]) -> Any:
