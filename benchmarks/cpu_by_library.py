@@ -14,10 +14,14 @@ Needs `perf` on PATH and permission to attach to a process (root, or
 
     python benchmarks/cpu_by_library.py [--seconds 4] [--runs 2] [--partitions manual stages]
     python benchmarks/cpu_by_library.py --python-calls [--partitions manual stages]
+    python benchmarks/cpu_by_library.py --bytecodes [--top 30] [--partitions manual stages]
 
 `--python-calls` counts each rank's Python function calls a step instead (a profile hook on
 every thread, 10 steps): a figure that does not move with the machine's load, but not a time
-(cheap calls and expensive ones count alike).
+(cheap calls and expensive ones count alike). `--bytecodes` counts the bytecode instructions
+each rank's interpreter executes a step (a trace function on every thread, 10 steps), the
+measure of `libpython`'s share above that the machine's load does not move; `--top N` lists the
+N functions that execute the most, a step.
 """
 
 from __future__ import annotations
@@ -135,6 +139,48 @@ def _python_calls(system: str, partition: str, steps: int) -> float:
     return calls[0] / steps
 
 
+def _bytecodes(system: str, partition: str, steps: int, top: int) -> tuple:
+    """One rank: bytecode instructions executed a step (every thread of the process), and the
+    `top` functions' counts a step, over `steps` steps after warm-up. Every frame is traced from
+    the start (a thread's loop entered before the count began counts too), so the warm-up runs
+    slowly; only the counted steps count."""
+    import threading
+
+    import torch.distributed as dist
+
+    counts: Dict[object, int] = collections.Counter()
+    counting = [False]
+
+    def local(frame, event, arg):
+        if event == "opcode" and counting[0]:
+            counts[frame.f_code] += 1
+        return local
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    threading.settrace(trace)  # (before the system starts its threads)
+    sys.settrace(trace)
+    smp, step, batches = _setup(system, partition)
+    for i in range(WARMUP_STEPS):
+        step(*batches[i % len(batches)])
+    dist.barrier()
+    counting[0] = True
+    for i in range(steps):
+        step(*batches[i % len(batches)])
+    counting[0] = False
+    sys.settrace(None)
+    threading.settrace(None)
+    smp.reset()
+    root = os.path.dirname(HERE) + os.sep
+    by_function: Dict[str, float] = collections.Counter()
+    for code, n in counts.items():
+        where = code.co_filename.split("site-packages" + os.sep)[-1].replace(root, "")
+        by_function[f"{where}:{code.co_firstlineno} {code.co_name}"] += n / steps
+    return sum(counts.values()) / steps, by_function.most_common(top)
+
+
 def _by_library(perf_data: str) -> Dict[str, float]:
     """Each shared object's share of the samples, in percent, and gloo's event loop thread's."""
     def report(sort: str) -> Dict[str, float]:
@@ -162,7 +208,20 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS, "cpu_by_library.json"))
     ap.add_argument("--python-calls", action="store_true",
                     help="instead: count each rank's Python function calls a step (no perf)")
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="instead: count each rank's bytecode instructions a step (no perf)")
+    ap.add_argument("--top", type=int, default=0,
+                    help="with --bytecodes: list the functions that execute the most")
     a = ap.parse_args()
+    if a.bytecodes:
+        for name, system, partition in _systems(a.partitions):
+            res = run_ranks(_bytecodes, 2, system, partition, 10, a.top, timeout=900)
+            print(f"{name}: bytecode instructions a step, pp_rank 0 {res[0][0]:.0f}, "
+                  f"pp_rank 1 {res[1][0]:.0f}", flush=True)
+            for rank, (_, functions) in enumerate(res):
+                for where, n in functions:
+                    print(f"  pp_rank {rank} {n:9.0f}  {where}")
+        return
     if a.python_calls:
         for name, system, partition in _systems(a.partitions):
             counts = run_ranks(_python_calls, 2, system, partition, 10, timeout=300)
