@@ -395,8 +395,10 @@ class OwnerSide:
                          below: Optional[int] = None):
         """(The compute lock held: `_serve_forward`.) Run module `name` on inputs cut from the
         caller's graph; keep the graph for backward. `deliver(out_template, outs, out_rg)` runs
-        before the compute lock is given up, so that results on their way to another rank leave
-        before the next module here starts. `amp`: the caller's autocast state. `links`: which
+        as soon as the module has returned, before its graph is kept (a result on its way to
+        the next stage is on the critical path; nothing that reads the kept graph can run
+        before this thread gives the compute lock up, and a backward waits for the forward's
+        anchor, put after this returns). `amp`: the caller's autocast state. `links`: which
         inputs are outputs of earlier calls here (`_links`), kept with the graph. `below`: the
         call before this one in its chain (calls.py, `_Chain`), whose outputs this one takes as
         they are in its graph: the chain's graphs are one, and its backward one pass of autograd
@@ -430,6 +432,9 @@ class OwnerSide:
             rg = grad_enabled and t.requires_grad
             out_rg.append(rg)
             any_rg = any_rg or rg
+        if deliver is not None:
+            self._deliver(deliver, (out_template, outs, out_rg),
+                          (FORWARD, mb) if caller == 0 else None)
         if any_rg:
             with self._cond_lock:
                 self._forward_microbatches.add(mb)
@@ -442,9 +447,6 @@ class OwnerSide:
                         # until one starts waiting for the compute lock.
                         live = sum(1 for n in self._graphs.values() if n > 0)
                         self.peak_live_microbatches = max(self.peak_live_microbatches, live)
-        if deliver is not None:
-            self._deliver(deliver, (out_template, outs, out_rg),
-                          (FORWARD, mb) if caller == 0 else None)
         return out_template, outs, out_rg
 
 
