@@ -20,7 +20,8 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
-from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten_call
+from smshim.modelparallel.torch.pipeline.structure import (_Slot, _plain_template, dumps_template, fill,
+                                                          flatten_call)
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
@@ -45,6 +46,10 @@ _IGRAD_WHAT = "gradient of input {} of module '{}'"
 
 # _Cell.fetching: asked for with PREFETCH (True: with FETCH).
 _LATER = "later"
+
+# The template of a call with one tensor argument (most modules'), and its pickle.
+_ONE_ARG = _plain_template(1)
+_ONE_ARG_BYTES = dumps_template(_ONE_ARG)
 
 
 class _Chain:
@@ -71,7 +76,7 @@ class _Chain:
         self.inputs: Optional[Tuple[torch.Tensor, ...]] = inputs
 
 
-@dataclass
+@dataclass(init=False)
 class _Call:
     owner: int
     module: str
@@ -80,8 +85,9 @@ class _Call:
     template: Any
     in_meta: List[Tuple[torch.Size, torch.dtype]]
     requires: List[bool]         # input i needs a gradient
-    remote_in: List[bool]        # input i is a handle (its gradient may stay remote)
-    leaf_in: List[bool]          # input i is a leaf (its gradient must be real)
+    # pp_rank 0, a call that is not a chain's later call (only these are read: `_input_kinds`):
+    remote_in: Sequence[bool] = ()  # input i is a handle (its gradient may stay remote)
+    leaf_in: Sequence[bool] = ()    # input i is a leaf (its gradient must be real)
     call_id: int = -1
     out_template: Any = None
     out_requires_grad: Sequence[bool] = ()
@@ -94,9 +100,25 @@ class _Call:
     reached: bool = False
     tensors: Optional[List[torch.Tensor]] = None  # the call's inputs, until its request leaves
 
+    def __init__(self, owner: int, module: str, step: int, microbatch: int, template: Any,
+                 in_meta: List[Tuple[torch.Size, torch.dtype]], requires: List[bool]) -> None:
+        # (The other fields keep their class defaults until set: one remote call makes one.)
+        self.owner, self.module, self.step, self.microbatch = owner, module, step, microbatch
+        self.template, self.in_meta, self.requires = template, in_meta, requires
+
     def what(self, direction: str) -> str:
         return (f"{direction} of module '{self.module}' (microbatch {self.microbatch}, "
                 f"step {self.step})")
+
+
+def _input_kinds(call: _Call, tensors: List[torch.Tensor]) -> None:
+    """Which of `call`'s inputs are handles, and which leaves (pp_rank 0; not for a chain's
+    later call, whose first call's are the ones read)."""
+    remote_in, leaf_in = [], []
+    for t in tensors:
+        remote_in.append(isinstance(t, RemoteTensor))
+        leaf_in.append(t.grad_fn is None)
+    call.remote_in, call.leaf_in = remote_in, leaf_in
 
 
 @dataclass
@@ -212,17 +234,17 @@ class CallerSide:
             # children) called where it lives: pp_rank 0's step body runs its own modules in
             # its own graph, under the compute lock it holds (pipeline.py).
             return self.real_forward(name)(*args, **kwargs)
-        template, tensors = flatten_call(args, kwargs)
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            template, tensors = _ONE_ARG, [args[0]]  # (most modules: `flatten_call` without its call)
+        else:
+            template, tensors = flatten_call(args, kwargs)
         grad = torch.is_grad_enabled()
         # (One pass, not a comprehension per list: this runs for every remote call.)
-        in_meta, requires, remote_in, leaf_in = [], [], [], []
+        in_meta, requires = [], []
         for t in tensors:
             in_meta.append((t.shape, t.dtype))
             requires.append(grad and t.requires_grad and (t.is_floating_point() or t.is_complex()))
-            remote_in.append(isinstance(t, RemoteTensor))
-            leaf_in.append(t.grad_fn is None)
-        call = _Call(owner, name, ctx.step, ctx.microbatch, template, in_meta, requires,
-                     remote_in, leaf_in)
+        call = _Call(owner, name, ctx.step, ctx.microbatch, template, in_meta, requires)
         if ctx.driver and not ctx.forward_done and not self.deterministic \
                 and self.lock.waited_for():
             self._step_aside()
@@ -232,10 +254,14 @@ class CallerSide:
                 else _C_APPLY
             if self.me == 0:
                 self._link(call, tensors)
+                if call.first is None:
+                    _input_kinds(call, tensors)
                 outputs = apply(self, call, self._anchor, *call.chain.inputs)
             else:
                 outputs = apply(self, call, self._anchor, *tensors)
         else:
+            if self.me == 0:
+                _input_kinds(call, tensors)
             outputs = self._forward(call, tensors, grad_enabled=False)
         out_template = call.out_template
         if type(out_template) is _Slot:  # (one tensor, most modules: `fill` without its call)
@@ -267,7 +293,7 @@ class CallerSide:
                     continue
             _used(cell)
         if prev and self.merge_chains and not ctx.in_backward \
-                and (prev.microbatch, prev.step) == (call.microbatch, call.step) \
+                and prev.microbatch == call.microbatch and prev.step == call.step \
                 and prev.chain.inputs is not None:
             call.first = prev.first or prev
             call.chain = prev.chain
@@ -296,7 +322,8 @@ class CallerSide:
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
-        template_bytes = dumps_template(call.template)
+        template_bytes = _ONE_ARG_BYTES if call.template is _ONE_ARG \
+            else dumps_template(call.template)
         amp = autocast_state.capture()  # the module runs under the caller's autocast
         pkey = (call.module, template_bytes, grad_enabled, amp,
                 tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
