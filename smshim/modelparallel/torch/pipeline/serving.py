@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -77,20 +77,23 @@ def _links(enc: list, src: int, me: int) -> List[tuple]:
             and e[1][2] == "out"]
 
 
-def _join(inputs: List[torch.Tensor], saved: Optional[tuple], links: List[tuple],
-          below: int) -> Optional[int]:
-    """Put in `inputs` call `below`'s outputs that they are values of (`links`), as they are in
-    its graph (`saved`), for those that need a gradient; returns `below` if any was, else None.
-    One autograd graph then spans the two calls, as it would in one process."""
+def _joins(saved: Optional[tuple], links: List[tuple], below: int,
+           requires: List[bool]) -> Optional[Dict[int, torch.Tensor]]:
+    """The inputs (by index) that are call `below`'s outputs (`links`) and need a gradient,
+    each as that output is in its graph (`saved`); None if there are none. The call takes them
+    as they are, not their values: one autograd graph then spans the two calls, as it would in
+    one process. (The call runs with grad enabled: an input that needs a gradient is one that
+    `requires` says needs it.)"""
     if saved is None:
         return None
     outs = saved[1]
-    joined = None
+    joins = None
     for i, cid, j in links:
-        if cid == below and inputs[i].requires_grad and outs[j].requires_grad:
-            inputs[i] = outs[j]
-            joined = below
-    return joined
+        if cid == below and requires[i] and outs[j].requires_grad:
+            if joins is None:
+                joins = {}
+            joins[i] = outs[j]
+    return joins
 
 
 def _pairs(outs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> List[tuple]:
@@ -309,9 +312,20 @@ class OwnerSide:
         `module` runs on the inputs that `enc` names; its results are delivered, then its
         forward is marked done."""
         what = lambda: f"an input of the {self._what(msg, 'forward', module)}"  # noqa: E731
+        src = msg.src
+        links = _links(enc, src, self.me) if src == 0 else ()
+        # A chain's later call takes the outputs of the call below as they are in its graph
+        # (`_joins`): those need no decoding (nor, in `_execute_forward`, cutting from a graph).
+        joins = _joins(self._saved.get((src, below)), links, below, requires) \
+            if below is not None and src == 0 and grad_enabled else None
         # (An inline tensor without `_decode`'s call: most inputs of a request.)
-        tensors = [msg.tensors[e[1]] if e is not None and e[0] == "t"
-                   else self._decode(e, msg.tensors, msg.src, what) for e in enc]
+        if joins is None:
+            tensors = [msg.tensors[e[1]] if e is not None and e[0] == "t"
+                       else self._decode(e, msg.tensors, src, what) for e in enc]
+        else:
+            tensors = [joins[i] if i in joins else msg.tensors[e[1]]
+                       if e is not None and e[0] == "t"
+                       else self._decode(e, msg.tensors, src, what) for i, e in enumerate(enc)]
         template = loads_template(template_bytes)
 
         def deliver(out_template, outs, out_rg) -> None:
@@ -336,10 +350,10 @@ class OwnerSide:
                 for i, t in enumerate(values):
                     self._keep((msg.src, call_id, "out", i), t, msg.microbatch, msg.step)
 
-        self._execute_forward(msg.src, call_id, module, msg.step, msg.microbatch,
+        self._execute_forward(src, call_id, module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver, amp=amp,
-                              links=_links(enc, msg.src, self.me) if msg.src == 0 else (),
-                              below=below if msg.src == 0 else None)
+                              links=links, below=below if joins is not None else None,
+                              joins=joins)
         self.store.put((msg.src, call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
@@ -392,7 +406,8 @@ class OwnerSide:
                          template: Any, tensors: List[torch.Tensor], requires: List[bool],
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
                          amp: autocast_state.State = None, links=(),
-                         below: Optional[int] = None):
+                         below: Optional[int] = None,
+                         joins: Optional[Dict[int, torch.Tensor]] = None):
         """(The compute lock held: `_serve_forward`.) Run module `name` on inputs cut from the
         caller's graph; keep the graph for backward. `deliver(out_template, outs, out_rg)` runs
         as soon as the module has returned, before its graph is kept (a result on its way to
@@ -401,14 +416,16 @@ class OwnerSide:
         anchor, put after this returns). `amp`: the caller's autocast state. `links`: which
         inputs are outputs of earlier calls here (`_links`), kept with the graph. `below`: the
         call before this one in its chain (calls.py, `_Chain`), whose outputs this one takes as
-        they are in its graph: the chain's graphs are one, and its backward one pass of autograd
-        (`_execute_backward`)."""
-        inputs = [t.detach().requires_grad_(rg and grad_enabled)
-                  if (t.is_floating_point() or t.is_complex()) else t
-                  for t, rg in zip(tensors, requires)]
-        if below is not None:
-            below = _join(inputs, self._saved.get((caller, below)), links, below) \
-                if grad_enabled else None
+        they are in its graph (`joins`: those inputs, by index, in `tensors` already): the
+        chain's graphs are one, and its backward one pass of autograd (`_execute_backward`)."""
+        if joins is None:
+            inputs = [t.detach().requires_grad_(rg and grad_enabled)
+                      if (t.is_floating_point() or t.is_complex()) else t
+                      for t, rg in zip(tensors, requires)]
+        else:
+            inputs = [t if i in joins else t.detach().requires_grad_(rg and grad_enabled)
+                      if (t.is_floating_point() or t.is_complex()) else t
+                      for i, (t, rg) in enumerate(zip(tensors, requires))]
         args, kwargs = fill(template, inputs)
         if amp is None and not self.timeline.enabled \
                 and grad_enabled == torch.is_grad_enabled():
@@ -516,7 +533,7 @@ class OwnerSide:
         """(In a chain's backward, the lock held.) Backward through the graph of the chain's
         call below the one whose inputs are `above_inputs`; returns its inputs, links and the
         call it is joined to. `joined`: the call above took this one's outputs into its graph
-        (`_join`), and the backward above went through it already."""
+        (`_joins`), and the backward above went through it already."""
         with self._cond_lock:
             saved = self._graph_locked((caller, call_id), retain)
             if saved is not None and caller == 0 and not retain:
@@ -535,7 +552,7 @@ class OwnerSide:
 
     def _joined_name(self, name: str, caller: int, joined: int, through: tuple) -> str:
         """The timeline's name for a backward from module `name` that goes on through the
-        calls below it joined to it (`_join`): "name … the lowest of them"."""
+        calls below it joined to it (`_joins`): "name … the lowest of them"."""
         lowest = name
         for below, below_name in through:
             if joined != below:
