@@ -109,22 +109,15 @@ def _rank(system: str, partition: str, seconds: float, perf_out: str) -> Dict[st
             "cpu_ms": cpu * 1e3}
 
 
-def _python_calls(system: str, partition: str, steps: int) -> float:
-    """One rank: Python function calls a step (every thread of the process), counted with a
-    profile hook set before the system starts its threads, over `steps` steps after warm-up."""
-    import threading
-
+def _hooked_steps(system: str, partition: str, steps: int, counting: list, setters: tuple,
+                  hook) -> None:
+    """One rank: `hook` set on every thread by `setters` (threading's and sys's setprofile, or
+    settrace) before the system starts its threads; the warm-up, then `steps` steps with
+    `counting[0]` True."""
     import torch.distributed as dist
 
-    calls = [0]
-    counting = [False]
-
-    def hook(frame, event, arg):
-        if counting[0] and event == "call":
-            calls[0] += 1
-
-    threading.setprofile(hook)  # (before the system starts its threads)
-    sys.setprofile(hook)
+    for set_hook in setters:
+        set_hook(hook)
     smp, step, batches = _setup(system, partition)
     for i in range(WARMUP_STEPS):
         step(*batches[i % len(batches)])
@@ -133,9 +126,24 @@ def _python_calls(system: str, partition: str, steps: int) -> float:
     for i in range(steps):
         step(*batches[i % len(batches)])
     counting[0] = False
-    sys.setprofile(None)
-    threading.setprofile(None)
+    for set_hook in setters:
+        set_hook(None)
     smp.reset()
+
+
+def _python_calls(system: str, partition: str, steps: int) -> float:
+    """One rank: Python function calls a step (every thread of the process), counted with a
+    profile hook, over `steps` steps after warm-up."""
+    import threading
+
+    calls = [0]
+    counting = [False]
+
+    def hook(frame, event, arg):
+        if counting[0] and event == "call":
+            calls[0] += 1
+
+    _hooked_steps(system, partition, steps, counting, (threading.setprofile, sys.setprofile), hook)
     return calls[0] / steps
 
 
@@ -145,8 +153,6 @@ def _bytecodes(system: str, partition: str, steps: int, top: int) -> tuple:
     the start (a thread's loop entered before the count began counts too), so the warm-up runs
     slowly; only the counted steps count."""
     import threading
-
-    import torch.distributed as dist
 
     counts: Dict[object, int] = collections.Counter()
     counting = [False]
@@ -160,19 +166,7 @@ def _bytecodes(system: str, partition: str, steps: int, top: int) -> tuple:
         frame.f_trace_opcodes = True
         return local
 
-    threading.settrace(trace)  # (before the system starts its threads)
-    sys.settrace(trace)
-    smp, step, batches = _setup(system, partition)
-    for i in range(WARMUP_STEPS):
-        step(*batches[i % len(batches)])
-    dist.barrier()
-    counting[0] = True
-    for i in range(steps):
-        step(*batches[i % len(batches)])
-    counting[0] = False
-    sys.settrace(None)
-    threading.settrace(None)
-    smp.reset()
+    _hooked_steps(system, partition, steps, counting, (threading.settrace, sys.settrace), trace)
     root = os.path.dirname(HERE) + os.sep
     by_function: Dict[str, float] = collections.Counter()
     for code, n in counts.items():
