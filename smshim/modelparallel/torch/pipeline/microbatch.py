@@ -137,8 +137,9 @@ def _child_path(path: str, key: Any) -> str:
 # Splitting
 # ------------------------------------------------------------------------------------------------
 
-def _split_value(value: Any, mb: int, num_mb: int, axis: int, path: str) -> Any:
-    """Microbatch ``mb``'s share of ``value`` (``path`` names it in error messages)."""
+def _split_value(value: Any, num_mb: int, axis: int, path: str) -> List[Any]:
+    """Every microbatch's share of ``value``, in microbatch order (``path`` names it in error
+    messages)."""
     if isinstance(value, StepOutput):
         if len(value) != num_mb:
             raise TensorSplitError(
@@ -146,22 +147,21 @@ def _split_value(value: Any, mb: int, num_mb: int, axis: int, path: str) -> Any:
                 f"{num_mb} microbatches; a StepOutput can only be passed to a step with the same "
                 f"number of microbatches (or list it in non_split_inputs to pass it whole)"
             )
-        return value.outputs[mb]
+        return list(value.outputs)
     smp_slice = _smp_slice_of(value)
     if smp_slice is not None and callable(smp_slice) and not isinstance(value, type):
-        return smp_slice(num_mb, mb, axis)
+        return [smp_slice(num_mb, mb, axis) for mb in range(num_mb)]
     if isinstance(value, torch.Tensor):
-        return _split_tensor(value, mb, num_mb, axis, path)
+        return _split_tensor(value, num_mb, axis, path)
     kind = _container_kind(type(value))
     if kind is _SEQUENCE:
-        return _rebuild_sequence(
-            value, [_split_value(v, mb, num_mb, axis, _child_path(path, i)) for i, v in enumerate(value)]
-        )
+        parts = [_split_value(v, num_mb, axis, _child_path(path, i)) for i, v in enumerate(value)]
+        return [_rebuild_sequence(value, [p[mb] for p in parts]) for mb in range(num_mb)]
     if kind is _MAPPING:
-        return _rebuild_mapping(
-            value, {k: _split_value(v, mb, num_mb, axis, _child_path(path, k)) for k, v in value.items()}
-        )
-    return value
+        parts = {k: _split_value(v, num_mb, axis, _child_path(path, k)) for k, v in value.items()}
+        return [_rebuild_mapping(value, {k: p[mb] for k, p in parts.items()})
+                for mb in range(num_mb)]
+    return [value] * num_mb
 
 
 _SEQUENCE, _MAPPING, _LEAF = "sequence", "mapping", "leaf"
@@ -189,9 +189,9 @@ def _smp_slice_of(value: Any) -> Any:
     return getattr(value, "smp_slice", None)
 
 
-def _split_tensor(tensor: torch.Tensor, mb: int, num_mb: int, axis: int, path: str) -> torch.Tensor:
+def _split_tensor(tensor: torch.Tensor, num_mb: int, axis: int, path: str) -> List[torch.Tensor]:
     if tensor.dim() == 0:
-        return tensor  # a scalar has no batch dimension: every microbatch sees it whole
+        return [tensor] * num_mb  # a scalar has no batch dimension: every microbatch sees it whole
     if not -tensor.dim() <= axis < tensor.dim():
         raise TensorSplitError(
             f"cannot split step input {path} along axis {axis}: the tensor has only {tensor.dim()} "
@@ -207,9 +207,9 @@ def _split_tensor(tensor: torch.Tensor, mb: int, num_mb: int, axis: int, path: s
             f"another axis with input_split_axes"
         )
     if num_mb == 1:
-        return tensor  # the whole tensor: a full-size narrow() view would only cost time
+        return [tensor]  # the whole tensor: a full-size narrow() view would only cost time
     k = size // num_mb
-    return tensor.narrow(axis, mb * k, k)
+    return [tensor.narrow(axis, mb * k, k) for mb in range(num_mb)]
 
 
 def _normalise_names(non_split_inputs: Any, input_split_axes: Any) -> Tuple[frozenset, Dict[str, int]]:
@@ -327,12 +327,16 @@ def split_step_inputs(
                 plans.clear()
             plans[key] = planned
     pos_plan, kw_plan = planned
+    # Each input split once into all its shares (its checks made once), then dealt out.
+    pos = [None if whole else _split_value(v, num_microbatches, axis, path)
+           for v, (path, whole, axis) in zip(args, pos_plan)]
+    kws = [None if whole else _split_value(v, num_microbatches, axis, path)
+           for v, (path, whole, axis) in zip(kwargs.values(), kw_plan)]
     return [
         (
-            tuple([v if whole else _split_value(v, mb, num_microbatches, axis, path)
-                   for v, (path, whole, axis) in zip(args, pos_plan)]),
-            {k: v if whole else _split_value(v, mb, num_microbatches, axis, path)
-             for (k, v), (path, whole, axis) in zip(kwargs.items(), kw_plan)},
+            tuple([v if shares is None else shares[mb] for v, shares in zip(args, pos)]),
+            {k: v if shares is None else shares[mb]
+             for (k, v), shares in zip(kwargs.items(), kws)},
         )
         for mb in range(num_microbatches)
     ]
