@@ -78,22 +78,23 @@ def _links(enc: list, src: int, me: int) -> List[tuple]:
 
 
 def _joins(saved: Optional[tuple], links: List[tuple], below: int,
-           requires: List[bool]) -> Optional[Dict[int, torch.Tensor]]:
+           requires: List[bool]) -> Dict[int, torch.Tensor]:
     """The inputs (by index) that are call `below`'s outputs (`links`) and need a gradient,
-    each as that output is in its graph (`saved`); None if there are none. The call takes them
-    as they are, not their values: one autograd graph then spans the two calls, as it would in
-    one process. (The call runs with grad enabled: an input that needs a gradient is one that
+    each as that output is in its graph (`saved`; none without it). The call takes them as they
+    are, not their values: one autograd graph then spans the two calls, as it would in one
+    process. (The call runs with grad enabled: an input that needs a gradient is one that
     `requires` says needs it.)"""
-    if saved is None:
-        return None
-    outs = saved[1]
-    joins = None
-    for i, cid, j in links:
-        if cid == below and requires[i] and outs[j].requires_grad:
-            if joins is None:
-                joins = {}
-            joins[i] = outs[j]
+    joins: Dict[int, torch.Tensor] = {}
+    if saved is not None:
+        outs = saved[1]
+        for i, cid, j in links:
+            if cid == below and requires[i] and outs[j].requires_grad:
+                joins[i] = outs[j]
     return joins
+
+
+# `_execute_forward`'s default: no input joined (never written to).
+_NO_JOINS: Dict[int, torch.Tensor] = {}
 
 
 def _pairs(outs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> List[tuple]:
@@ -317,15 +318,11 @@ class OwnerSide:
         # A chain's later call takes the outputs of the call below as they are in its graph
         # (`_joins`): those need no decoding (nor, in `_execute_forward`, cutting from a graph).
         joins = _joins(self._saved.get((src, below)), links, below, requires) \
-            if below is not None and src == 0 and grad_enabled else None
+            if below is not None and src == 0 and grad_enabled else {}
         # (An inline tensor without `_decode`'s call: most inputs of a request.)
-        if joins is None:
-            tensors = [msg.tensors[e[1]] if e is not None and e[0] == "t"
-                       else self._decode(e, msg.tensors, src, what) for e in enc]
-        else:
-            tensors = [joins[i] if i in joins else msg.tensors[e[1]]
-                       if e is not None and e[0] == "t"
-                       else self._decode(e, msg.tensors, src, what) for i, e in enumerate(enc)]
+        tensors = [joins[i] if i in joins else msg.tensors[e[1]]
+                   if e is not None and e[0] == "t"
+                   else self._decode(e, msg.tensors, src, what) for i, e in enumerate(enc)]
         template = loads_template(template_bytes)
 
         def deliver(out_template, outs, out_rg) -> None:
@@ -352,8 +349,7 @@ class OwnerSide:
 
         self._execute_forward(src, call_id, module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver, amp=amp,
-                              links=links, below=below if joins is not None else None,
-                              joins=joins)
+                              links=links, below=below if joins else None, joins=joins)
         self.store.put((msg.src, call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
@@ -407,7 +403,7 @@ class OwnerSide:
                          grad_enabled: bool, deliver: Optional[Callable[..., None]] = None,
                          amp: autocast_state.State = None, links=(),
                          below: Optional[int] = None,
-                         joins: Optional[Dict[int, torch.Tensor]] = None):
+                         joins: Dict[int, torch.Tensor] = _NO_JOINS):
         """(The compute lock held: `_serve_forward`.) Run module `name` on inputs cut from the
         caller's graph; keep the graph for backward. `deliver(out_template, outs, out_rg)` runs
         as soon as the module has returned, before its graph is kept (a result on its way to
@@ -418,14 +414,9 @@ class OwnerSide:
         call before this one in its chain (calls.py, `_Chain`), whose outputs this one takes as
         they are in its graph (`joins`: those inputs, by index, in `tensors` already): the
         chain's graphs are one, and its backward one pass of autograd (`_execute_backward`)."""
-        if joins is None:
-            inputs = [t.detach().requires_grad_(rg and grad_enabled)
-                      if (t.is_floating_point() or t.is_complex()) else t
-                      for t, rg in zip(tensors, requires)]
-        else:
-            inputs = [t if i in joins else t.detach().requires_grad_(rg and grad_enabled)
-                      if (t.is_floating_point() or t.is_complex()) else t
-                      for i, (t, rg) in enumerate(zip(tensors, requires))]
+        inputs = [t if i in joins else t.detach().requires_grad_(rg and grad_enabled)
+                  if (t.is_floating_point() or t.is_complex()) else t
+                  for i, (t, rg) in enumerate(zip(tensors, requires))]
         args, kwargs = fill(template, inputs)
         if amp is None and not self.timeline.enabled \
                 and grad_enabled == torch.is_grad_enabled():
