@@ -8,14 +8,9 @@ import time
 
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.messages import (FWD_REQ, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.value_store import _nested_key
 
 logger = logging.getLogger(__name__)
-
-
-def _nested_key(key) -> bool:
-    """A value of a call made by another rank than pp_rank 0 (keys start with the caller)."""
-    return key[0] != 0
-
 
 
 class Admission:

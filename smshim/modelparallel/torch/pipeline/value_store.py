@@ -26,6 +26,11 @@ from smshim.modelparallel.torch.pipeline.wakeup import Wakeup
 Key = Tuple[Any, ...]
 
 
+def _nested_key(key: Key) -> bool:
+    """A value of a call made by another rank than pp_rank 0 (keys start with the caller)."""
+    return key[0] != 0
+
+
 class ValueStore:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -132,16 +137,15 @@ class ValueStore:
                             del self._getters[key]
 
     def drop_microbatch(self, microbatch: int, keep_nested: bool = False) -> None:
-        """Drop the microbatch's values; with `keep_nested`, but those of nested calls (made
-        by another rank than pp_rank 0: a key's first item is its caller), which stay until the
-        step's end."""
+        """Drop the microbatch's values; with `keep_nested`, but those of nested calls
+        (`_nested_key`), which stay until the step's end."""
         with self._lock:
             keys = self._by_microbatch.pop(microbatch, None)
             if not keys:
                 return
             kept = []
             for key in keys:
-                if keep_nested and key[0] != 0:
+                if keep_nested and _nested_key(key):
                     kept.append(key)
                 else:
                     self._values.pop(key, None)
