@@ -554,7 +554,7 @@ class Transport:
 
     def _recv_frame(self, peer: int) -> List[Message]:
         """The next frame from pp rank `peer`, as its messages."""
-        frame, nf = self._frames.get(peer) or _frame_buffer(self._frames, peer)
+        frame, nf = _frame_buffer(self._frames, peer)
         group, src = self._groups[0 if self.me > peer else 1], self._group_rank[peer]
         group.recv([frame], src, 0).wait()
         header_len, body_len = _read_prefix(nf)
