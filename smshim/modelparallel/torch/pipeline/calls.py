@@ -20,8 +20,7 @@ from smshim.modelparallel.torch.errors import (
 )
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
-from smshim.modelparallel.torch.pipeline.structure import (_Slot, _plain_template, dumps_template, fill,
-                                                          flatten_call)
+from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten_call
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
@@ -46,10 +45,6 @@ _IGRAD_WHAT = "gradient of input {} of module '{}'"
 
 # _Cell.fetching: asked for with PREFETCH (True: with FETCH).
 _LATER = "later"
-
-# The template of a call with one tensor argument (most modules'), and its pickle.
-_ONE_ARG = _plain_template(1)
-_ONE_ARG_BYTES = dumps_template(_ONE_ARG)
 
 
 class _Chain:
@@ -234,10 +229,7 @@ class CallerSide:
             # children) called where it lives: pp_rank 0's step body runs its own modules in
             # its own graph, under the compute lock it holds (pipeline.py).
             return self.real_forward(name)(*args, **kwargs)
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            template, tensors = _ONE_ARG, [args[0]]  # (most modules: `flatten_call` without its call)
-        else:
-            template, tensors = flatten_call(args, kwargs)
+        template, tensors = flatten_call(args, kwargs)
         grad = torch.is_grad_enabled()
         # (One pass, not a comprehension per list: this runs for every remote call.)
         in_meta, requires = [], []
@@ -322,8 +314,7 @@ class CallerSide:
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
-        template_bytes = _ONE_ARG_BYTES if call.template is _ONE_ARG \
-            else dumps_template(call.template)
+        template_bytes = dumps_template(call.template)
         amp = autocast_state.capture()  # the module runs under the caller's autocast
         pkey = (call.module, template_bytes, grad_enabled, amp,
                 tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
