@@ -62,13 +62,16 @@ class _Chain:
 
     `inputs`, the first call's inputs, are what a next call's node stands on; they are dropped
     when the microbatch's forward is over (no call links to the chain then), so that pp_rank 0
-    holds no activation for a chain while the microbatch waits for its backward."""
+    holds no activation for a chain while the microbatch waits for its backward. `request`: the
+    call id of the request that the chain's latest call travels in (a next call may follow it
+    on in that request)."""
 
-    __slots__ = ("shared", "inputs")
+    __slots__ = ("shared", "inputs", "request")
 
     def __init__(self, inputs: Tuple[torch.Tensor, ...]) -> None:
         self.shared = False
         self.inputs: Optional[Tuple[torch.Tensor, ...]] = inputs
+        self.request = -1
 
 
 @dataclass(init=False)
@@ -84,6 +87,10 @@ class _Call:
     remote_in: Sequence[bool] = ()  # input i is a handle (its gradient may stay remote)
     leaf_in: Sequence[bool] = ()    # input i is a leaf (its gradient must be real)
     call_id: int = -1
+    # The call id of the request this call travels in: its own, or its chain's predecessor's
+    # request's when it follows on in it (`_follow_on`). The owner marks a request's forward
+    # done under that id (serving.py, `_serve_forward`), which the call's backward waits for.
+    request: int = -1
     out_template: Any = None
     out_requires_grad: Sequence[bool] = ()
     # pp_rank 0, a chain's call (see `_Chain`): the chain's first call, whose inputs its node
@@ -348,6 +355,11 @@ class CallerSide:
                     meta=(template_bytes, enc, call.requires, grad_enabled, reply, expect, amp,
                           below, []),
                     tensors=inline), hold=reply is None)
+                call.request = call_id
+                if call.chain is not None:
+                    call.chain.request = call_id
+            else:
+                call.request = call.chain.request
             if box is not None:
                 msg = self._wait_reply(box, call.owner, call.what("forward"))
         finally:
@@ -388,7 +400,8 @@ class CallerSide:
         push = [i for i in range(n) if first.requires[i] and (sync or not first.remote_in[i])]
         self.transport.send(call.owner, Message(
             BWD_REQ, call.step, call.microbatch, call.call_id, call.module,
-            meta=(enc, push, call.through, call.chain is not None and call.chain.shared),
+            meta=(enc, push, call.through, call.chain is not None and call.chain.shared,
+                  call.request),
             tensors=inline), hold=not sync)
         self._note_backward_begun(call.microbatch)  # (once its request is queued: see there)
         # The microbatch's last backward request has left (no other call of it waits for its

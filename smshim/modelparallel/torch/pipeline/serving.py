@@ -53,7 +53,7 @@ def _needs(msg: Message) -> List[Any]:
                     refs(e)
                 made += (call[0],)
     else:
-        keys.append((msg.src, msg.call_id, "fwd", 0))
+        keys.append((msg.src, msg.meta[4], "fwd", 0))  # (its forward's request: served)
         for e in msg.meta[0]:
             refs(e)
     return keys
@@ -280,7 +280,9 @@ class OwnerSide:
         """Run the request's call, and the calls of its chain that came inside it (calls.py,
         `_follow_on`), one after another in one turn of the compute lock, without each one's
         dispatch, queueing and lock turn; then `_chain` looks for the next request to serve in
-        this turn."""
+        this turn. The request's forward anchor, which the backward of any of its calls waits
+        for (`_needs`), is put once they have all run: no backward could run sooner, for want
+        of the lock."""
         template_bytes, enc, requires, grad_enabled, reply, expect, amp, below, more = msg.meta
         mb = msg.microbatch
         if msg.src == 0:
@@ -299,6 +301,7 @@ class OwnerSide:
                     msg.module = module  # (`_serve_one`'s error names the module that failed)
                     self._forward_call(msg, call_id, module, template_bytes, enc, requires,
                                        grad_enabled, None, expect, amp, below)
+                self.store.put((msg.src, msg.call_id, "fwd", 0), self._anchor, mb)
             except BaseException:
                 self._queue_candidate()
                 raise
@@ -350,14 +353,13 @@ class OwnerSide:
         self._execute_forward(src, call_id, module, msg.step, msg.microbatch,
                               template, tensors, requires, grad_enabled, deliver, amp=amp,
                               links=links, below=below if joins else None, joins=joins)
-        self.store.put((msg.src, call_id, "fwd", 0), self._anchor, msg.microbatch)
 
 
     def _serve_backward(self, msg: Message) -> None:
-        enc, push, through, retain = msg.meta
+        enc, push, through, retain, request = msg.meta
         what = lambda: f"a gradient for the {self._what(msg, 'backward')}"  # noqa: E731
         # The forward may still be queued here (requests do not wait for each other's replies).
-        self._get_value((msg.src, msg.call_id, "fwd", 0), self.me,
+        self._get_value((msg.src, request, "fwd", 0), self.me,
                         lambda: self._what(msg, "forward"))
         grads = [self._decode(e, msg.tensors, msg.src, what) for e in enc]
         ticket = getattr(msg, "ticket", None)
