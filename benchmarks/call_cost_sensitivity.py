@@ -41,28 +41,24 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _slowed(method, seconds: float):
+    """`method` with `seconds` of busy CPU before it."""
+    def slower(self, *args, **kwargs):
+        _spin(seconds)
+        return method(self, *args, **kwargs)
+
+    return slower
+
+
 def _added(variant: str, us: float) -> None:
     """Add `us` of work to every call on the side that `variant` names (in this process)."""
     from smshim.modelparallel.torch.pipeline.calls import CallerSide
     from smshim.modelparallel.torch.pipeline.serving import OwnerSide
 
-    seconds = us * 1e-6
     if variant == "caller side":
-        call = CallerSide.call
-
-        def slower_call(self, *args, **kwargs):
-            _spin(seconds)
-            return call(self, *args, **kwargs)
-
-        CallerSide.call = slower_call
+        CallerSide.call = _slowed(CallerSide.call, us * 1e-6)
     elif variant == "owner side":
-        forward_call = OwnerSide._forward_call
-
-        def slower_forward_call(self, *args, **kwargs):
-            _spin(seconds)
-            return forward_call(self, *args, **kwargs)
-
-        OwnerSide._forward_call = slower_forward_call
+        OwnerSide._forward_call = _slowed(OwnerSide._forward_call, us * 1e-6)
 
 
 def _run(variant: str, us: float):
