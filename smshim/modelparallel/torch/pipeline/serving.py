@@ -53,7 +53,7 @@ def _needs(msg: Message) -> List[Any]:
                     refs(e)
                 made += (call[0],)
     else:
-        keys.append((msg.src, msg.meta[4], "fwd", 0))  # (its forward's request: served)
+        keys.append((msg.src, msg.meta[4], "fwd", 0))  # (the anchor of its forward's request)
         for e in msg.meta[0]:
             refs(e)
     return keys
