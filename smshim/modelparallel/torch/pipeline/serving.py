@@ -93,7 +93,7 @@ def _joins(saved: Optional[tuple], links: List[tuple], below: int,
     return joins
 
 
-# `_execute_forward`'s default: no input joined (never written to).
+# No input joined: `_forward_call`'s and `_execute_forward`'s default (never written to).
 _NO_JOINS: Dict[int, torch.Tensor] = {}
 
 
@@ -321,7 +321,7 @@ class OwnerSide:
         # A chain's later call takes the outputs of the call below as they are in its graph
         # (`_joins`): those need no decoding (nor, in `_execute_forward`, cutting from a graph).
         joins = _joins(self._saved.get((src, below)), links, below, requires) \
-            if below is not None and src == 0 and grad_enabled else {}
+            if below is not None and src == 0 and grad_enabled else _NO_JOINS
         # (An inline tensor without `_decode`'s call: most inputs of a request.)
         tensors = [joins[i] if i in joins else msg.tensors[e[1]]
                    if e is not None and e[0] == "t"
