@@ -13,9 +13,16 @@ os.environ.setdefault("SMSHIM_FUSED_WGRAD_MIN_NUMEL", "0")
 # Checkpoints are signed with a per-user key created on first save in the user's config
 # directory (checkpointing/signing.py): the tests use a throw-away one, never the developer's.
 if "XDG_CONFIG_HOME" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
-    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
+    _config_home = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
+    _creator = os.getpid()
+    # Removed when the run ends, by the process that made it (the test workers and the ranks
+    # they start inherit the variable and use the same directory).
+    atexit.register(lambda: os.getpid() == _creator
+                    and shutil.rmtree(_config_home, ignore_errors=True))
 os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
 # Under PYTHONDONTWRITEBYTECODE (the development machine's shell sets it; a CI image may too) no

@@ -116,7 +116,8 @@ def test_cpu_mode_runs_a_gpu_smp_script_at_pp2(tmp_path):
 
 
 def test_cpu_mode_under_torchrun_by_environment(tmp_path):
-    r = _run(["--standalone", "--nproc-per-node", "2", GPU_STYLE, "--mode", "ddp"], tmp_path,
+    r = _run(["--standalone", "--log-dir", str(tmp_path / "logs"), "--nproc-per-node", "2",
+              GPU_STYLE, "--mode", "ddp"], tmp_path,
              cmd=[sys.executable, "-m", "torch.distributed.run"], env={"SMSHIM_CPU": "1"})
     assert r.stderr.count("CPU mode (SMSHIM_CPU=1)") == 1, r.stderr  # rank 0 only
     for d in _params(tmp_path, 2):

@@ -94,9 +94,10 @@ def test_single_process_needs_no_launcher():
     assert "rank 0 of 1 sum 1.0" in r.stdout, r.stderr
 
 
-def test_torchrun_launch():
+def test_torchrun_launch(tmp_path):
+    # (--log-dir: else torchrun leaves an empty log directory in the system's temp dir per run)
     r = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "2", ALLREDUCE], timeout=120)
+                     "--log-dir", str(tmp_path), "--nproc-per-node", "2", ALLREDUCE], timeout=120)
     assert "rank 0 of 2 sum 3.0" in r.stdout and "rank 1 of 2 sum 3.0" in r.stdout, r.stderr
 
 

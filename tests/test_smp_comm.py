@@ -73,14 +73,17 @@ def test_mpirun_manual_init(tmp_path):
 
 
 def test_auto_init_under_torchrun(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
     with held_port() as port:
+        # (--log-dir: else torchrun leaves an empty log directory in the system's temp dir)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               SCRIPT]
+               "--log-dir", str(tmp_path / "logs"), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT]
         run_command(cmd, timeout=120, cwd=ROOT,
                     env={ENV: json.dumps({"partitions": 2}), "SMP_MANUAL_INIT": None,
-                         "SMSHIM_TIMEOUT": "60", "SMP_RESULT_DIR": str(tmp_path)})
-    results = _results(tmp_path)
+                         "SMSHIM_TIMEOUT": "60", "SMP_RESULT_DIR": str(out)})
+    results = _results(out)
     assert [r["rank"] for r in results] == [0, 1]
     for r, res in enumerate(results):
         assert res["at_import"] and res["launcher"] == "torchrun" and res["local_rank"] == r
