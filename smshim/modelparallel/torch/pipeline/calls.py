@@ -21,6 +21,10 @@ from smshim.modelparallel.torch.errors import (
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
 from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten_call
+
+# The template of a call with one tensor argument (flatten_call's, shared), and its bytes.
+_ONE_ARG = flatten_call((torch.empty(0),), {})[0]
+_ONE_ARG_BYTES = dumps_template(_ONE_ARG)
 from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
@@ -101,6 +105,9 @@ class _Call:
     chain: Optional[_Chain] = None
     reached: bool = False
     tensors: Optional[List[torch.Tensor]] = None  # the call's inputs, until its request leaves
+    # A chain's later call found by `_next_in_chain`: (template bytes, autocast state,
+    # prediction, input encodings), what `_forward` would otherwise work out.
+    planned: Optional[tuple] = None
 
     def __init__(self, owner: int, module: str, step: int, microbatch: int, template: Any,
                  in_meta: List[Tuple[torch.Size, torch.dtype]], requires: List[bool]) -> None:
@@ -236,6 +243,10 @@ class CallerSide:
             # children) called where it lives: pp_rank 0's step body runs its own modules in
             # its own graph, under the compute lock it holds (pipeline.py).
             return self.real_forward(name)(*args, **kwargs)
+        if self.me == 0 and len(args) == 1 and not kwargs and type(args[0]) is RemoteTensor:
+            outputs = self._next_in_chain(name, owner, args[0])
+            if outputs is not None:
+                return outputs
         template, tensors = flatten_call(args, kwargs)
         grad = torch.is_grad_enabled()
         # (One pass, not a comprehension per list: this runs for every remote call.)
@@ -267,6 +278,45 @@ class CallerSide:
             return outputs[out_template.index]
         return fill(out_template, list(outputs))
 
+
+    def _next_in_chain(self, name: str, owner: int, h: RemoteTensor) -> Optional[Any]:
+        """(pp_rank 0.) `call` for a chain's later call in its commonest form (a stage's
+        modules in a `ModuleList` loop): with grad, its one argument `h` the output of this
+        microbatch's latest call to `owner`, which nothing else used and whose value is not
+        here, and its outputs predicted. What `_link` and `_forward` would work out for it
+        is known from `h` (their walks over the arguments are a tenth of pp_rank 0's
+        interpreter work on tiny modules). None, having done nothing: `call` serves any other
+        case."""
+        cell = h._cell
+        prev = cell.producer() if cell.producer is not None else None
+        if prev is None or cell.used or prev.owner != owner or cell.value is not None \
+                or not self.merge_chains or not self.predict:
+            return None
+        chain = prev.chain
+        if chain.inputs is None or prev.microbatch != ctx.microbatch or prev.step != ctx.step \
+                or ctx.in_backward or not h.requires_grad or not torch.is_grad_enabled() \
+                or torch._C._are_functorch_transforms_active():
+            return None
+        in_meta = [(h.shape, h.dtype)]
+        amp = autocast_state.capture()
+        pred = self._predictions.get((name, _ONE_ARG_BYTES, True, amp, ((in_meta[0], True),)))
+        if pred is None:
+            return None
+        call = _Call(owner, name, ctx.step, ctx.microbatch, _ONE_ARG, in_meta, [True])
+        if ctx.driver and not ctx.forward_done and not self.deterministic \
+                and self.lock.waited_for():
+            self._step_aside()
+        # (`_link`'s chain link, and `_encode`'s handle held by its owner.)
+        call.first = prev.first or prev
+        call.chain = chain
+        call.through = ((prev.call_id, prev.module),) + prev.through
+        cell.used = True
+        cell.on_reuse = lambda: self._reused(prev)
+        call.planned = (_ONE_ARG_BYTES, amp, pred, [("r", cell.key, owner)])
+        outputs = _C_APPLY(self, call, self._anchor, *chain.inputs)
+        if type(pred.out_template) is _Slot:
+            return outputs[pred.out_template.index]
+        return fill(pred.out_template, list(outputs))
 
     def _link(self, call: _Call, tensors: List[torch.Tensor]) -> None:
         """(pp_rank 0, a call with grad.) Make `call` the next of its predecessor's chain if
@@ -321,16 +371,21 @@ class CallerSide:
         # Only pp_rank 0 keeps handles (it says when a microbatch is over); a nested call, made
         # from inside a module on another rank, waits for the values.
         sync = self.me != 0
-        template_bytes = dumps_template(call.template)
-        amp = autocast_state.capture()  # the module runs under the caller's autocast
-        pkey = (call.module, template_bytes, grad_enabled, amp,
-                tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
-        pred = None if (sync or not self.predict) else self._predictions.get(pkey)
+        if call.planned is not None:  # (`_next_in_chain`: pp_rank 0, predicted, one handle)
+            template_bytes, amp, pred, enc = call.planned
+            inline: List[torch.Tensor] = []
+        else:
+            template_bytes = dumps_template(call.template)
+            amp = autocast_state.capture()  # the module runs under the caller's autocast
+            pkey = (call.module, template_bytes, grad_enabled, amp,
+                    tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
+            pred = None if (sync or not self.predict) else self._predictions.get(pkey)
         call.call_id = call_id = next(self._ids)
         # pp_rank 0's requests that need no reply are held to leave with the next ones to the
         # same rank (a stage's calls of one microbatch: one frame; Transport.send, `hold`).
         reply = "data" if sync else ("meta" if pred is None else None)
-        enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
+        if call.planned is None:
+            enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
         if not sync and call.first is None:  # (a chain's later call: its first said this)
             with self._cond_lock:
                 self._visited[call.microbatch].add(call.owner)
