@@ -133,20 +133,34 @@ def _train(mode: str):
     passes = []  # autograd passes on this rank (its owner's backwards)
     run_backward = serving._run_backward
     serving._run_backward = lambda *a, **k: (passes.append(1), run_backward(*a, **k))
+    # pp_rank 0: the calls served by `CallerSide._next_in_chain` (a chain's later call, its
+    # outputs predicted), each step.
+    from smshim.modelparallel.torch.pipeline.calls import CallerSide
+
+    next_in_chain, fast = CallerSide._next_in_chain, []
+
+    def counted(*args):
+        out = next_in_chain(*args)
+        fast[-1] += out is not None
+        return out
+
+    CallerSide._next_in_chain = counted
     kept = []
     try:
         for x, y in _batches():
             opt.zero_grad()
+            fast.append(0)
             train_step(model, x, y)
             opt.step()
             kept.append(len(model._pipeline.server._saved))  # graphs left after the step: none
     finally:
         serving._run_backward = run_backward
+        CallerSide._next_in_chain = next_in_chain
     sent = model._pipeline.transport.sent_messages
     # pp_rank 0: the backward requests it sent; pp_rank 1: the autograd passes it ran.
     backwards = sent[("bwd_req", 1)] if smp.pp_rank() == 0 else len(passes)
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    return params, kept, backwards, module.hooked
+    return params, kept, backwards, module.hooked, fast
 
 
 @pytest.mark.parametrize("mode", ["loop", "read_after", "read_before", "two_calls",
@@ -155,7 +169,7 @@ def test_a_chain_trains_as_one_process_does(mode):
     results = run_ranks(_train, 2, mode, timeout=120)
     want = _reference(mode)
     got = {}
-    for params, kept, _, _ in results:
+    for params, kept, _, _, _ in results:
         got.update(params)
         assert kept == [0] * STEPS, kept
     assert got.keys() == want.keys()
@@ -169,6 +183,9 @@ def test_a_chain_trains_as_one_process_does(mode):
         # input in place, as in one process).
         assert requests == STEPS * MICROBATCHES, requests
         assert passes == STEPS * MICROBATCHES, passes
+        # Once the calls' outputs are predicted (after the first step's), each later call of
+        # the chain (blocks[1:] and the head) takes the short path.
+        assert results[0][4][1:] == [4 * MICROBATCHES] * (STEPS - 1), results[0][4]
     elif mode in ("read_before", "hook_before"):
         # The chain starts again at blocks[1], whose input glue had read (or hooked) first.
         assert requests == STEPS * MICROBATCHES * 2, requests
