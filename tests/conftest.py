@@ -19,10 +19,14 @@ if "XDG_CONFIG_HOME" not in os.environ:
 
     _config_home = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="smshim-tests-config-")
     _creator = os.getpid()
-    # Removed when the run ends, by the process that made it (the test workers and the ranks
-    # they start inherit the variable and use the same directory).
-    atexit.register(lambda: os.getpid() == _creator
-                    and shutil.rmtree(_config_home, ignore_errors=True))
+
+    def _remove_config_home() -> None:
+        # Only in the process that made it: the test workers and the ranks they start inherit
+        # the variable and use the same directory.
+        if os.getpid() == _creator:
+            shutil.rmtree(_config_home, ignore_errors=True)
+
+    atexit.register(_remove_config_home)
 os.environ.pop("SMSHIM_CHECKPOINT_KEY", None)
 
 # Under PYTHONDONTWRITEBYTECODE (the development machine's shell sets it; a CI image may too) no
