@@ -341,6 +341,8 @@ class CallerSide:
                     cells.append(cell)
                     continue
             _used(cell)
+        # (`_next_in_chain` makes this link for its case without coming here: keep the two
+        # rules alike.)
         if prev and self.merge_chains and not ctx.in_backward \
                 and prev.microbatch == call.microbatch and prev.step == call.step \
                 and prev.chain.inputs is not None:
