@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--loss", choices=["stage", "glue"], default="stage",
                     help="where the loss is computed: on the last stage, or in the root's forward")
     ap.add_argument("--out", default=None, help="default: results/pipeline_schedules[_glue].json")
+    ap.add_argument("--schedules", nargs="+", choices=["simple", "interleaved"],
+                    default=["simple", "interleaved"])
     ap.add_argument("--gaps", action="store_true",
                     help="also where each step lost time against the theory (see above)")
     a = ap.parse_args()
@@ -240,7 +242,7 @@ def main() -> None:
     rows = []
     for m in a.m:
         theory = (m + a.p - 1) * 3 * tf
-        for schedule in ("simple", "interleaved"):
+        for schedule in a.schedules:
             ours = run_ranks(_smshim, a.p, a.p, m, tf, a.steps, schedule, a.loss == "glue",
                              a.gaps, timeout=600)
             theirs = run_ranks(_torch_pipelining, a.p, a.p, m, tf, a.steps, schedule, a.gaps,
