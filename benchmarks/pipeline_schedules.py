@@ -19,6 +19,7 @@ from one piece of work to the next).
 
     python benchmarks/pipeline_schedules.py [--tf-ms 20] [--steps 5] [--p 4] [--m 8 16]
                                             [--loss stage|glue] [--gaps]
+                                            [--schedules simple interleaved]
 """
 
 from __future__ import annotations
