@@ -382,12 +382,11 @@ class CallerSide:
             pkey = (call.module, template_bytes, grad_enabled, amp,
                     tuple(zip(call.in_meta, call.requires)))  # (torch.Size hashes as a tuple)
             pred = None if (sync or not self.predict) else self._predictions.get(pkey)
+            enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
         call.call_id = call_id = next(self._ids)
         # pp_rank 0's requests that need no reply are held to leave with the next ones to the
         # same rank (a stage's calls of one microbatch: one frame; Transport.send, `hold`).
         reply = "data" if sync else ("meta" if pred is None else None)
-        if call.planned is None:
-            enc, inline = self._encode(tensors, call.owner, call.microbatch, hold=not sync)
         if not sync and call.first is None:  # (a chain's later call: its first said this)
             with self._cond_lock:
                 self._visited[call.microbatch].add(call.owner)
