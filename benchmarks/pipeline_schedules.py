@@ -15,7 +15,7 @@ its sleeps, and each sleep's start is set against the later of its input's end (
 stage's forward of the microbatch, the next stage's backward, or the last stage's own forward)
 and its stage's previous sleep's end: a "hop" when the input came last (the transfer and the
 work on both sides of it), a "turn" when the stage's own previous sleep did (the stage going
-from one piece of work to the next).
+from one piece of work to the next); in all, then stage by stage.
 
     python benchmarks/pipeline_schedules.py [--tf-ms 20] [--steps 5] [--p 4] [--m 8 16]
                                             [--loss stage|glue] [--gaps]
@@ -32,7 +32,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -86,33 +86,43 @@ def _recording(gaps: bool) -> None:
     _SLEEPS = [] if gaps else None
 
 
-def _gaps(results: list, p: int) -> Dict[str, Tuple[float, float]]:
-    """(Sum in ms, count) a step of each kind of gap (see the module docstring), medians over
-    the steps; `results[r]["sleeps"][step]` is stage r's sleeps."""
+def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]:
+    """(kind, stage, seconds) of every gap of one step (see the module docstring);
+    `results[r]["sleeps"][step]` is stage r's sleeps."""
+    ops = {(r, kind, mb): (t0, t1) for r in range(p)
+           for kind, mb, t0, t1 in results[r]["sleeps"][step]}
+    gaps = []
+    for r in range(p):
+        prev_end = None
+        for (t0, _), (kind, mb) in sorted((v, k[1:]) for k, v in ops.items() if k[0] == r):
+            if kind == "F":
+                dep = ops.get((r - 1, "F", mb), (0, None))[1] if r > 0 else None
+            else:
+                dep = ops.get((r + 1, "B", mb), (0, None))[1] if r < p - 1 \
+                    else ops[(r, "F", mb)][1]
+            if dep is not None and (prev_end is None or dep >= prev_end):
+                name, ready = f"hop {kind}" if r < p - 1 or kind == "F" else "last F to B", dep
+            elif prev_end is not None:
+                name, ready = f"turn to {kind}", prev_end
+            else:
+                name, ready = None, t0  # (a step's first sleep)
+            if name is not None:
+                gaps.append((name, r, t0 - ready))
+            prev_end = ops[(r, kind, mb)][1]
+    return gaps
+
+
+def _gaps(results: list, p: int, by_stage: bool = False) -> Dict[str, Tuple[float, float]]:
+    """(Sum in ms, count) a step of each kind of gap, medians over the steps; `by_stage`: of
+    each kind at each stage, keyed "kind, stage r"."""
     per_step = []
     for step in range(len(results[0]["sleeps"])):
-        ops = {(r, kind, mb): (t0, t1) for r in range(p)
-               for kind, mb, t0, t1 in results[r]["sleeps"][step]}
         sums: Dict[str, float] = collections.defaultdict(float)
         counts: Dict[str, int] = collections.defaultdict(int)
-        for r in range(p):
-            prev_end = None
-            for (t0, _), (kind, mb) in sorted((v, k[1:]) for k, v in ops.items() if k[0] == r):
-                if kind == "F":
-                    dep = ops.get((r - 1, "F", mb), (0, None))[1] if r > 0 else None
-                else:
-                    dep = ops.get((r + 1, "B", mb), (0, None))[1] if r < p - 1 \
-                        else ops[(r, "F", mb)][1]
-                if dep is not None and (prev_end is None or dep >= prev_end):
-                    name, ready = f"hop {kind}" if r < p - 1 or kind == "F" else "last F to B", dep
-                elif prev_end is not None:
-                    name, ready = f"turn to {kind}", prev_end
-                else:
-                    name, ready = None, t0  # (a step's first sleep)
-                if name is not None:
-                    sums[name] += t0 - ready
-                    counts[name] += 1
-                prev_end = ops[(r, kind, mb)][1]
+        for name, r, gap in _step_gaps(results, p, step):
+            key = f"{name}, stage {r}" if by_stage else name
+            sums[key] += gap
+            counts[key] += 1
         per_step.append((sums, counts))
     names = sorted({n for sums, _ in per_step for n in sums})
     return {n: (statistics.median(s[n] for s, _ in per_step) * 1e3,
@@ -261,6 +271,9 @@ def main() -> None:
             if a.gaps:
                 rows[-1]["gaps_ms_and_count"] = {"smshim": _gaps(ours, a.p),
                                                  "torch": _gaps(theirs, a.p)}
+                rows[-1]["gaps_by_stage_ms_and_count"] = {
+                    "smshim": _gaps(ours, a.p, by_stage=True),
+                    "torch": _gaps(theirs, a.p, by_stage=True)}
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
           f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
@@ -270,15 +283,18 @@ def main() -> None:
               f"{r['smshim_vs_theory']:8.3f} {r['torch_s']:8.3f} {r['smshim_vs_torch']:10.3f} "
               f"{str(r['peak_live_microbatches']):>24}  ({r['torch_name']})")
     for r in rows:
-        if "gaps_ms_and_count" in r:
-            g = r["gaps_ms_and_count"]
-            print(f"m = {r['m']} {r['schedule']}: gaps a step (median), ms in all (count, mean)")
+        for field, title in (("gaps_ms_and_count", "gaps a step"),
+                             ("gaps_by_stage_ms_and_count", "the same, stage by stage")):
+            if field not in r:
+                continue
+            g = r[field]
+            print(f"m = {r['m']} {r['schedule']}: {title} (median), ms in all (count, mean)")
             for name in sorted(set(g["smshim"]) | set(g["torch"])):
                 cells = []
                 for system in ("smshim", "torch"):
                     total, n = g[system].get(name, (0.0, 0))
                     cells.append(f"{system} {total:7.1f} ({n:4.0f}, {total / max(n, 1):.3f})")
-                print(f"  {name:<11} " + "   ".join(cells))
+                print(f"  {name:<20} " + "   ".join(cells))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
