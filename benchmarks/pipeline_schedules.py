@@ -124,9 +124,15 @@ def _gaps(results: list, p: int, by_stage: bool = False) -> Dict[str, Tuple[floa
             sums[key] += gap
             counts[key] += 1
         per_step.append((sums, counts))
-    names = sorted({n for sums, _ in per_step for n in sums})
+    names = sorted({n for sums, _ in per_step for n in sums}, key=_gap_order)
     return {n: (statistics.median(s[n] for s, _ in per_step) * 1e3,
                 statistics.median(c[n] for _, c in per_step)) for n in names}
+
+
+def _gap_order(name: str) -> Tuple[str, int]:
+    """Sort key of a gap's name: its kind, then its stage as a number (stage 10 after 9)."""
+    kind, _, stage = name.partition(", stage ")
+    return kind, int(stage) if stage else -1
 
 
 class SleepStage(nn.Module):
@@ -289,7 +295,7 @@ def main() -> None:
                 continue
             g = r[field]
             print(f"m = {r['m']} {r['schedule']}: {title} (median), ms in all (count, mean)")
-            for name in sorted(set(g["smshim"]) | set(g["torch"])):
+            for name in sorted(set(g["smshim"]) | set(g["torch"]), key=_gap_order):
                 cells = []
                 for system in ("smshim", "torch"):
                     total, n = g[system].get(name, (0.0, 0))
