@@ -247,6 +247,24 @@ def _key_id(config_home):
     return signing.load_key(create=True).key_id
 
 
+def test_a_key_file_made_by_another_rank_meanwhile_is_the_one_used(tmp_path, monkeypatch):
+    # Another rank of the node creates the key file just as this one looks for it: this rank
+    # reads that key (it used to come back with none, and write its checkpoint unsigned).
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    path = signing.key_file_path(env)
+    real_exists = os.path.exists
+
+    def made_meanwhile(p):
+        if p == path and not real_exists(p):
+            signing._create_key_file(path)
+        return real_exists(p)
+
+    monkeypatch.setattr(os.path, "exists", made_meanwhile)
+    key = signing.load_key(create=True, env=env)
+    monkeypatch.undo()
+    assert key is not None and key == signing._read_key_file(path)
+
+
 def test_ranks_of_one_node_create_one_key(tmp_path):
     # Four ranks sharing a home create the key at the same moment: all end up with the same one.
     ids = run_ranks(_key_id, 4, str(tmp_path / "cfg"), timeout=60)

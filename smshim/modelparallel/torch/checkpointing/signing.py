@@ -155,9 +155,10 @@ def load_key(create: bool, env: Mapping[str, str] = os.environ) -> Optional[Key]
                 f"print(secrets.token_hex(32))\"`), or unset it to use the per-user key file")
         return Key(raw.encode("utf-8"), f"${ENV_KEY}")
     path = key_file_path(env)
-    key = _read_key_file(path)
-    if key is not None or not create or os.path.exists(path):
-        return key
+    # One look decides between reading the file and creating it: if another rank of this node
+    # creates it after that look, `_create_key_file` leaves theirs and the read below finds it.
+    if not create or os.path.exists(path):
+        return _read_key_file(path)
     try:
         _create_key_file(path)
     except OSError as e:
