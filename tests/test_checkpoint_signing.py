@@ -249,7 +249,7 @@ def _key_id(config_home):
 
 def test_a_key_file_made_by_another_rank_meanwhile_is_the_one_used(tmp_path, monkeypatch):
     # Another rank of the node creates the key file just as this one looks for it: this rank
-    # reads that key (it used to come back with none, and write its checkpoint unsigned).
+    # reads that key (no key would leave its checkpoints unsigned).
     env = {"XDG_CONFIG_HOME": str(tmp_path)}
     path = signing.key_file_path(env)
     real_exists = os.path.exists
