@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from smshim.modelparallel.torch.pipeline import channels
-from smshim.modelparallel.torch.pipeline.frames import _PREFIX
+from smshim.modelparallel.torch.pipeline.frames import _DTYPE_LIST, _DTYPE_OF, _PREFIX
 from smshim.modelparallel.torch.pipeline.messages import VALUE, Message
 from smshim.modelparallel.torch.pipeline.transport import Transport
 from smshim.runtime.devices import device_backend_for
@@ -127,8 +127,11 @@ def _bare_transport(channel):
 
 def _headers(buffer):
     header_len = int(buffer[:_PREFIX].numpy().view(np.int64)[0])
-    # (Each message travels as the tuple of its fields.)
-    return [Message(*h) for h in pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())]
+    # (Each message travels as the tuple of its fields, its tensors' dtypes as small ints.)
+    msgs = [Message(*h) for h in pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())]
+    for m in msgs:
+        m.tensors = [(shape, _DTYPE_OF.get(d, d), n) for shape, d, n in m.tensors]
+    return msgs
 
 
 def test_a_frame_sends_its_cuda_tensors_apart_and_keeps_its_cpu_tensors_inside():
@@ -157,6 +160,24 @@ def test_without_a_device_channel_every_tensor_stays_in_its_frame():
     [frame] = wire.buffers
     assert all(nbytes >= 0 for m in _headers(frame) for _, _, nbytes in m.tensors)
     assert not t.sent_apart
+
+
+def test_a_frame_gives_back_every_dtype_it_carries():
+    # The dtypes of frames.py's table travel as small ints, any other as itself: each comes
+    # back as it left, with its values (uint16: one outside the table).
+    dtypes = list(_DTYPE_LIST) + [torch.uint16]
+    sent = [(torch.arange(6).reshape(2, 3) % 2).to(d) for d in dtypes]
+    t, wire = _bare_transport(None)
+    t._post_frame(1, [Message(VALUE, tensors=sent[:5]), Message(VALUE, tensors=sent[5:])])
+    frame = wire.buffers[0]
+    header_len = int(frame[:_PREFIX].numpy().view(np.int64)[0])
+    raw = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+    assert [d for h in raw for _, d, _ in h[-1]] == list(range(len(_DTYPE_LIST))) + [torch.uint16]
+    t2, _ = _bare_transport(None)
+    t2._groups = (wire, wire)
+    got = [x for m in t2._recv_frame(1) for x in m.tensors]
+    assert [x.dtype for x in got] == dtypes
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got, sent))
 
 
 def test_cpu_tensors_never_reach_a_device_channel():

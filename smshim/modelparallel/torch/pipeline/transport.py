@@ -12,7 +12,7 @@ such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stag
 send to each other at the same moment once per microbatch. The thread that sends a message posts
 it itself, with whatever was queued for the peer before it, as one frame: a small header (two
 int64 lengths, then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and
-dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
+dtypes in place of the tensors: frames.py) and the tensors' bytes, in a single gloo isend when it fits in
 FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute, glue
 or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no thread
 hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from smshim.modelparallel.torch.pipeline.channels import APART, ENV as _CHANNEL_ENV, DeviceChannel
-from smshim.modelparallel.torch.pipeline.frames import (_PREFIX, FRAME_BYTES, _as_bytes, _frame_buffer,
-                                                       _from_bytes, _prefix, _read_prefix)
+from smshim.modelparallel.torch.pipeline.frames import (_DTYPE_CODE, _DTYPE_OF, _PREFIX, FRAME_BYTES,
+                                                       _as_bytes, _frame_buffer, _from_bytes,
+                                                       _prefix, _read_prefix)
 from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
                                                          PipelineError, _nbytes)
 from smshim.modelparallel.torch.pipeline.outbox import NEVER, Outbox
@@ -451,18 +452,20 @@ class Transport:
         body_len = 0
         channel = self._apart
         counts, nbytes = self.sent_messages, self.sent_bytes  # (counted here: no call per message)
+        code = _DTYPE_CODE.get
         for msg in msgs:
             key = (msg.kind, peer)
             counts[key] += 1
             metas = []
             for t in msg.tensors:
+                dtype = t.dtype
                 if channel is not None and channel.takes(t):
-                    metas.append((tuple(t.shape), t.dtype, APART))
+                    metas.append((tuple(t.shape), code(dtype, dtype), APART))
                     apart.append(t)
-                    nbytes[key] += t.numel() * t.dtype.itemsize
+                    nbytes[key] += t.numel() * dtype.itemsize
                     continue
                 arr = _as_bytes(t)
-                metas.append((tuple(t.shape), t.dtype, arr.size))
+                metas.append((tuple(t.shape), code(dtype, dtype), arr.size))
                 nbytes[key] += arr.size
                 if arr.size:
                     body.append(arr)
@@ -574,9 +577,11 @@ class Transport:
                 group.recv([torch.from_numpy(body)], src, 0).wait()
         offset = 0
         apart = []  # (message's tensors, index, shape, dtype) of those on the device channel
+        dtype_of = _DTYPE_OF.get
         for msg in msgs:
             tensors = []
             for shape, dtype, nbytes in msg.tensors:
+                dtype = dtype_of(dtype, dtype)
                 if nbytes == APART:
                     apart.append((tensors, len(tensors), shape, dtype))
                     tensors.append(None)
