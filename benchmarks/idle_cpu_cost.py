@@ -36,7 +36,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from smshim.modelparallel.torch.pipeline.frames import _PREFIX, _as_bytes  # noqa: E402
+from smshim.modelparallel.torch.pipeline.frames import _DTYPE_CODE, _PREFIX, _as_bytes  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -45,7 +45,7 @@ def _frame(value: torch.Tensor) -> np.ndarray:
     """A one-VALUE frame, assembled as the transport does (prefix, pickled header, bytes)."""
     arr = _as_bytes(value)
     header = pickle.dumps([("value", 3, 1, -1, None, (0, 7, "igrad", 0),
-                            [(tuple(value.shape), value.dtype, arr.size)])],
+                            [(tuple(value.shape), _DTYPE_CODE[value.dtype], arr.size)])],
                           protocol=pickle.HIGHEST_PROTOCOL)
     end = _PREFIX + len(header)
     nf = np.empty(end + arr.size, dtype=np.uint8)
