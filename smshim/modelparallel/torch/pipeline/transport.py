@@ -12,7 +12,7 @@ such moments (`benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stag
 send to each other at the same moment once per microbatch. The thread that sends a message posts
 it itself, with whatever was queued for the peer before it, as one frame: a small header (two
 int64 lengths, then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and
-dtypes in place of the tensors: frames.py) and the tensors' bytes, in a single gloo isend when it fits in
+dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
 FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute, glue
 or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no thread
 hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
