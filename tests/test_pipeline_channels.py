@@ -125,10 +125,15 @@ def _bare_transport(channel):
     return t, wire
 
 
-def _headers(buffer):
+def _raw_headers(buffer):
+    """A frame's headers as they travel: each message as the tuple of its fields, its tensors'
+    dtypes as small ints."""
     header_len = int(buffer[:_PREFIX].numpy().view(np.int64)[0])
-    # (Each message travels as the tuple of its fields, its tensors' dtypes as small ints.)
-    msgs = [Message(*h) for h in pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())]
+    return pickle.loads(buffer[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+
+
+def _headers(buffer):
+    msgs = [Message(*h) for h in _raw_headers(buffer)]
     for m in msgs:
         m.tensors = [(shape, _DTYPE_OF.get(d, d), n) for shape, d, n in m.tensors]
     return msgs
@@ -169,9 +174,7 @@ def test_a_frame_gives_back_every_dtype_it_carries():
     sent = [(torch.arange(6).reshape(2, 3) % 2).to(d) for d in dtypes]
     t, wire = _bare_transport(None)
     t._post_frame(1, [Message(VALUE, tensors=sent[:5]), Message(VALUE, tensors=sent[5:])])
-    frame = wire.buffers[0]
-    header_len = int(frame[:_PREFIX].numpy().view(np.int64)[0])
-    raw = pickle.loads(frame[_PREFIX:_PREFIX + header_len].numpy().tobytes())
+    raw = _raw_headers(wire.buffers[0])
     assert [d for h in raw for _, d, _ in h[-1]] == list(range(len(_DTYPE_LIST))) + [torch.uint16]
     t2, _ = _bare_transport(None)
     t2._groups = (wire, wire)
