@@ -112,21 +112,24 @@ def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]
     return gaps
 
 
-def _gaps(results: list, p: int, by_stage: bool = False) -> Dict[str, Tuple[float, float]]:
-    """(Sum in ms, count) a step of each kind of gap, medians over the steps; `by_stage`: of
-    each kind at each stage, keyed "kind, stage r"."""
+def _gaps(results: list, p: int) -> Tuple[Dict[str, Tuple[float, float]],
+                                          Dict[str, Tuple[float, float]]]:
+    """(Sum in ms, count) a step of each kind of gap, medians over the steps: by kind, and by
+    kind at each stage (keyed "kind, stage r"), from one pass over each step's gaps."""
     per_step = []
     for step in range(len(results[0]["sleeps"])):
         sums: Dict[str, float] = collections.defaultdict(float)
         counts: Dict[str, int] = collections.defaultdict(int)
         for name, r, gap in _step_gaps(results, p, step):
-            key = f"{name}, stage {r}" if by_stage else name
-            sums[key] += gap
-            counts[key] += 1
+            for key in (name, f"{name}, stage {r}"):
+                sums[key] += gap
+                counts[key] += 1
         per_step.append((sums, counts))
     names = sorted({n for sums, _ in per_step for n in sums}, key=_gap_order)
-    return {n: (statistics.median(s[n] for s, _ in per_step) * 1e3,
-                statistics.median(c[n] for _, c in per_step)) for n in names}
+    medians = {n: (statistics.median(s[n] for s, _ in per_step) * 1e3,
+                   statistics.median(c[n] for _, c in per_step)) for n in names}
+    by_kind = {n: v for n, v in medians.items() if ", stage " not in n}
+    return by_kind, {n: v for n, v in medians.items() if n not in by_kind}
 
 
 def _gap_order(name: str) -> Tuple[str, int]:
@@ -275,11 +278,11 @@ def main() -> None:
                 "peak_live_microbatches": [r["peak_live"] for r in ours],
             })
             if a.gaps:
-                rows[-1]["gaps_ms_and_count"] = {"smshim": _gaps(ours, a.p),
-                                                 "torch": _gaps(theirs, a.p)}
-                rows[-1]["gaps_by_stage_ms_and_count"] = {
-                    "smshim": _gaps(ours, a.p, by_stage=True),
-                    "torch": _gaps(theirs, a.p, by_stage=True)}
+                (ours_gaps, ours_by_stage), (theirs_gaps, theirs_by_stage) = (
+                    _gaps(ours, a.p), _gaps(theirs, a.p))
+                rows[-1]["gaps_ms_and_count"] = {"smshim": ours_gaps, "torch": theirs_gaps}
+                rows[-1]["gaps_by_stage_ms_and_count"] = {"smshim": ours_by_stage,
+                                                          "torch": theirs_by_stage}
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
           f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
