@@ -13,8 +13,9 @@ turn from a microbatch's forward to its backward) and prints:
 - with `--gaps FILE` (the JSON of `pipeline_schedules.py --gaps`; its `interleaved` rows of
   this p), the step each system's measured mean gaps give, next to its measured step: the
   share of the difference between the two systems that the transitions inside the pipeline
-  explain. The model leaves out the step's head and tail, and takes every transition of a kind
-  as its mean: its steps come out ~10 ms (p = 4) below the measured ones, for both systems.
+  explain (each row with its own m and tf). The model leaves out the step's head and tail, and
+  takes every transition of a kind as its mean: at p = 4 its steps come out 6-12 ms below the
+  measured ones.
 
     python benchmarks/schedule_model.py [--p 4] [--m 8] [--tf-ms 20]
     python benchmarks/schedule_model.py --gaps benchmarks/results/pipeline_schedules_gaps.json
@@ -150,10 +151,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     with open(a.gaps) as f:
         rows = json.load(f)
+    # (`simple` runs GPipe's order, not the capped one modelled here.)
+    rows = [row for row in rows if "gaps_ms_and_count" in row and row["p"] == p
+            and row["schedule"] == "interleaved"]
+    if not rows:
+        print(f"\n{a.gaps}: no `interleaved` row of p = {p} with gaps (--p sets p)")
     for row in rows:
-        # (`simple` runs GPipe's order, not the capped one modelled here.)
-        if "gaps_ms_and_count" not in row or row["p"] != p or row["schedule"] != "interleaved":
-            continue
         m_row, tf_row = row["m"], row["theory_s"] * 1e3 / ((row["m"] + p - 1) * 3)
         print(f"\nm = {m_row} {row['schedule']} ({a.gaps}): measured mean gaps -> modelled step")
         modelled = {}
