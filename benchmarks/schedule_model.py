@@ -47,33 +47,30 @@ def step_ms(p: int, m: int, tf: float, tb: float, lat: Latencies) -> float:
     f_end: Dict[tuple, float] = {}  # (stage, microbatch) -> end of its forward
     b_end: Dict[tuple, float] = {}
     free_at = [0.0] * p  # when each stage's current work ends
-    worked = [False] * p  # has the stage done anything yet (no turn before its first work)
+    # The next forward and backward of each stage (each in microbatch order): next_f - next_b
+    # microbatches are live, and a stage's first work is its first forward.
     next_f = [0] * p
-    next_b = [0] * p  # backwards run in microbatch order on every stage
-    live = [0] * p
+    next_b = [0] * p
     t = 0.0
     while any(b < m for b in next_b):
         for r in range(p):
             if free_at[r] > t + _EPS:
                 continue
-            op = _ready(r, p, m, t, lat, f_end, b_end, free_at, worked, next_f, next_b, live)
+            op = _ready(r, p, m, t, lat, f_end, b_end, free_at, next_f, next_b)
             if op is None:
                 continue
             kind, j = op
-            worked[r] = True
             if kind == "B":
                 next_b[r] += 1
-                live[r] -= 1
                 free_at[r] = b_end[(r, j)] = t + tb
             else:
                 next_f[r] += 1
-                live[r] += 1
                 free_at[r] = f_end[(r, j)] = t + tf
         t = _next_event(t, lat, f_end, b_end, free_at)
     return max(free_at)
 
 
-def _ready(r, p, m, t, lat, f_end, b_end, free_at, worked, next_f, next_b, live):
+def _ready(r, p, m, t, lat, f_end, b_end, free_at, next_f, next_b):
     """The work stage r can start at time t (a backward first), or None."""
     j = next_b[r]
     if j < m and (r, j) in f_end:
@@ -81,26 +78,27 @@ def _ready(r, p, m, t, lat, f_end, b_end, free_at, worked, next_f, next_b, live)
             # (Its previous work is this microbatch's forward: one transition, not two.)
             ready = f_end[(r, j)] + lat.last_f_to_b
             if free_at[r] != f_end[(r, j)]:
-                ready = max(ready, _after_turn(r, lat.turn_b, free_at, worked))
+                ready = max(ready, _after_turn(r, lat.turn_b, free_at, next_f))
         elif (r + 1, j) in b_end:
-            ready = max(b_end[(r + 1, j)] + lat.hop_b, _after_turn(r, lat.turn_b, free_at, worked))
+            ready = max(b_end[(r + 1, j)] + lat.hop_b, _after_turn(r, lat.turn_b, free_at, next_f))
         else:
             ready = None
         if ready is not None and ready <= t + _EPS:
             return "B", j
     j = next_f[r]
-    if j < m and live[r] < p - r:
+    if j < m and next_f[r] - next_b[r] < p - r:
         if r == 0:
             ready = 0.0
         else:
             ready = f_end[(r - 1, j)] + lat.hop_f if (r - 1, j) in f_end else None
-        if ready is not None and max(ready, _after_turn(r, lat.turn_f, free_at, worked)) <= t + _EPS:
+        if ready is not None and max(ready, _after_turn(r, lat.turn_f, free_at, next_f)) <= t + _EPS:
             return "F", j
     return None
 
 
-def _after_turn(r: int, turn: float, free_at: List[float], worked: List[bool]) -> float:
-    return free_at[r] + turn if worked[r] else 0.0
+def _after_turn(r: int, turn: float, free_at: List[float], next_f: List[int]) -> float:
+    """When stage r's turn after its previous work ends; 0 before its first work (a forward)."""
+    return free_at[r] + turn if next_f[r] else 0.0
 
 
 def _next_event(t, lat, f_end, b_end, free_at) -> float:
