@@ -4,7 +4,9 @@ Each of p stages sleeps tf in forward and tb = 2 tf in backward while holding a 
 (a "device" that runs one thing at a time), so p = 4-8 processes fit on 2 cores and the timing is
 exact. A perfect pipeline takes (m + p - 1)(tf + tb) per step. We run the same stages through
 smshim (`simple` and `interleaved`) and through torch.distributed.pipelining (ScheduleGPipe,
-Schedule1F1B), in the same processes, and report medians over several steps.
+Schedule1F1B), in the same processes, and report medians over several steps, and each rank's
+CPU time a step (every thread's: the interpreter's work, which on a real device is what a
+pipeline adds to its kernels).
 
 `--loss glue` computes the loss in the root module's forward instead (as users write
 `criterion(model(x), y)` and Hugging Face models compute theirs): on pp_rank 0, from the last
@@ -15,7 +17,11 @@ its sleeps, and each sleep's start is set against the later of its input's end (
 stage's forward of the microbatch, the next stage's backward, or the last stage's own forward)
 and its stage's previous sleep's end: a "hop" when the input came last (the transfer and the
 work on both sides of it), a "turn" when the stage's own previous sleep did (the stage going
-from one piece of work to the next); in all, then stage by stage.
+from one piece of work to the next); in all, then stage by stage. On pp_rank 0 also the step's
+"head" (from the step function's call to its first sleep) and "tail" (from its last sleep's end
+to the step function's return). And which of them make pp_rank 0's step: its critical path,
+walked back from its last sleep through the sleep each one waited for last (its input or its
+stage's previous sleep), the sleeps ("work") and the gaps on it adding up to the step's time.
 
     python benchmarks/pipeline_schedules.py [--tf-ms 20] [--steps 5] [--p 4] [--m 8 16]
                                             [--loss stage|glue] [--gaps]
@@ -86,30 +92,72 @@ def _recording(gaps: bool) -> None:
     _SLEEPS = [] if gaps else None
 
 
-def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]:
-    """(kind, stage, seconds) of every gap of one step (see the module docstring);
+def _step_ops(results: list, p: int, step: int) -> Dict[tuple, tuple]:
+    """Every sleep of one step, keyed (stage, kind, microbatch): (start, end, the gap before it
+    as (kind of gap, seconds) or None for its stage's first sleep without an input to wait for,
+    and the key of the sleep whose end it waited for last, or None); see the module docstring.
     `results[r]["sleeps"][step]` is stage r's sleeps."""
     ops = {(r, kind, mb): (t0, t1) for r in range(p)
            for kind, mb, t0, t1 in results[r]["sleeps"][step]}
-    gaps = []
+    out = {}
     for r in range(p):
-        prev_end = None
-        for (t0, _), (kind, mb) in sorted((v, k[1:]) for k, v in ops.items() if k[0] == r):
+        prev = None
+        for (t0, t1), (kind, mb) in sorted((v, k[1:]) for k, v in ops.items() if k[0] == r):
             if kind == "F":
-                dep = ops.get((r - 1, "F", mb), (0, None))[1] if r > 0 else None
+                dep = (r - 1, "F", mb) if r > 0 else None
             else:
-                dep = ops.get((r + 1, "B", mb), (0, None))[1] if r < p - 1 \
-                    else ops[(r, "F", mb)][1]
-            if dep is not None and (prev_end is None or dep >= prev_end):
-                name, ready = f"hop {kind}" if r < p - 1 or kind == "F" else "last F to B", dep
-            elif prev_end is not None:
-                name, ready = f"turn to {kind}", prev_end
+                dep = (r + 1, "B", mb) if r < p - 1 else (r, "F", mb)
+            if dep is not None and dep not in ops:
+                dep = None
+            if dep is not None and (prev is None or ops[dep][1] >= ops[prev][1]):
+                name = f"hop {kind}" if r < p - 1 or kind == "F" else "last F to B"
+                gap, after = (name, t0 - ops[dep][1]), dep
+            elif prev is not None:
+                gap, after = (f"turn to {kind}", t0 - ops[prev][1]), prev
             else:
-                name, ready = None, t0  # (a step's first sleep)
-            if name is not None:
-                gaps.append((name, r, t0 - ready))
-            prev_end = ops[(r, kind, mb)][1]
+                gap, after = None, None  # (a step's first sleep)
+            out[(r, kind, mb)] = (t0, t1, gap, after)
+            prev = (r, kind, mb)
+    return out
+
+
+def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]:
+    """(kind, stage, seconds) of every gap of one step, and pp_rank 0's head and tail."""
+    ops = _step_ops(results, p, step)
+    gaps = [(gap[0], key[0], gap[1]) for key, (_, _, gap, _) in ops.items() if gap is not None]
+    span = results[0].get("spans")
+    firsts = [v for k, v in ops.items() if k[0] == 0]
+    if span is not None and firsts:
+        start, end = span[step]
+        gaps.append(("step head", 0, min(v[0] for v in firsts) - start))
+        gaps.append(("step tail", 0, end - max(v[1] for v in firsts)))
     return gaps
+
+
+def _critical_path(results: list, p: int) -> Dict[str, float]:
+    """What pp_rank 0's step is made of, in ms, means over the steps: walking back from its
+    last sleep, each sleep ("work") and the gap before it, through the sleep it waited for
+    last, to the step's first; with the step's head and tail they add up to its time. Keyed
+    as the gaps are ("kind, stage r")."""
+    sums: Dict[str, float] = collections.defaultdict(float)
+    steps = len(results[0]["sleeps"])
+    for step in range(steps):
+        ops = _step_ops(results, p, step)
+        mine = [k for k in ops if k[0] == 0]
+        if not mine:
+            continue
+        start, end = results[0]["spans"][step]
+        key = max(mine, key=lambda k: ops[k][1])
+        sums["step tail, stage 0"] += end - ops[key][1]
+        while key is not None:
+            t0, t1, gap, after = ops[key]
+            sums["work"] += t1 - t0
+            if gap is not None:
+                sums[f"{gap[0]}, stage {key[0]}"] += gap[1]
+            elif key[0] == 0:
+                sums["step head, stage 0"] += t0 - start
+            key = after
+    return {k: v * 1e3 / steps for k, v in sorted(sums.items(), key=lambda kv: _gap_order(kv[0]))}
 
 
 def _gaps(results: list, p: int) -> Tuple[Dict[str, Tuple[float, float]],
@@ -199,16 +247,18 @@ def _smshim(p, m, tf, steps, schedule, glue_loss=False, gaps=False):
     model, train_step = stage_per_rank(cfg, lambda: SleepPipe(p, tf, glue_loss))
 
     x = _inputs(m, gaps)
-    times, sleeps = [], []
+    spans, sleeps, cpu = [], [], []
     for _ in range(steps + 1):
         _recording(gaps)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         train_step(model, x)
-        times.append(time.perf_counter() - t0)
+        spans.append((t0, time.perf_counter()))
+        cpu.append(time.process_time() - c0)
         sleeps.append(_SLEEPS)
     _recording(False)
     peak = model._pipeline.server.peak_live_microbatches
-    return {"times": times[1:], "peak_live": peak, "sleeps": sleeps[1:]}
+    return {"times": [b - a for a, b in spans[1:]], "spans": spans[1:], "peak_live": peak,
+            "sleeps": sleeps[1:], "cpu": cpu[1:]}
 
 
 def _torch_pipelining(p, m, tf, steps, schedule, gaps=False):
@@ -224,21 +274,23 @@ def _torch_pipelining(p, m, tf, steps, schedule, gaps=False):
     cls = ScheduleGPipe if schedule == "simple" else Schedule1F1B
     sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
     x = _inputs(m, gaps)
-    times, sleeps = [], []
+    spans, sleeps, cpu = [], [], []
     for _ in range(steps + 1):
         dist.barrier()
         _recording(gaps)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if rank == 0:
             sched.step(x)
         elif rank == p - 1:
             sched.step(target=torch.zeros(m, 4), losses=[])
         else:
             sched.step()
-        times.append(time.perf_counter() - t0)
+        spans.append((t0, time.perf_counter()))
+        cpu.append(time.process_time() - c0)
         sleeps.append(_SLEEPS)
     _recording(False)
-    return {"times": times[1:], "sleeps": sleeps[1:]}
+    return {"times": [b - a for a, b in spans[1:]], "spans": spans[1:], "sleeps": sleeps[1:],
+            "cpu": cpu[1:]}
 
 
 def main() -> None:
@@ -276,6 +328,9 @@ def main() -> None:
                 "smshim_vs_torch": ours_t / theirs_t,
                 "torch_name": "ScheduleGPipe" if schedule == "simple" else "Schedule1F1B",
                 "peak_live_microbatches": [r["peak_live"] for r in ours],
+                "cpu_ms_per_step": {  # each rank's, every thread's, median over the steps
+                    "smshim": [statistics.median(r["cpu"]) * 1e3 for r in ours],
+                    "torch": [statistics.median(r["cpu"]) * 1e3 for r in theirs]},
             })
             if a.gaps:
                 (ours_gaps, ours_by_stage), (theirs_gaps, theirs_by_stage) = (
@@ -283,6 +338,8 @@ def main() -> None:
                 rows[-1]["gaps_ms_and_count"] = {"smshim": ours_gaps, "torch": theirs_gaps}
                 rows[-1]["gaps_by_stage_ms_and_count"] = {"smshim": ours_by_stage,
                                                           "torch": theirs_by_stage}
+                rows[-1]["critical_path_ms"] = {"smshim": _critical_path(ours, a.p),
+                                                "torch": _critical_path(theirs, a.p)}
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
           f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
@@ -291,6 +348,10 @@ def main() -> None:
         print(f"{r['m']:>3} {r['schedule']:<12} {r['theory_s']:8.3f} {r['smshim_s']:8.3f} "
               f"{r['smshim_vs_theory']:8.3f} {r['torch_s']:8.3f} {r['smshim_vs_torch']:10.3f} "
               f"{str(r['peak_live_microbatches']):>24}  ({r['torch_name']})")
+    for r in rows:
+        cpu = r["cpu_ms_per_step"]
+        print(f"m = {r['m']} {r['schedule']}: CPU a step by rank (ms, every thread): smshim "
+              f"{[round(c, 1) for c in cpu['smshim']]}, torch {[round(c, 1) for c in cpu['torch']]}")
     for r in rows:
         for field, title in (("gaps_ms_and_count", "gaps a step"),
                              ("gaps_by_stage_ms_and_count", "the same, stage by stage")):
@@ -304,6 +365,16 @@ def main() -> None:
                     total, n = g[system].get(name, (0.0, 0))
                     cells.append(f"{system} {total:7.1f} ({n:4.0f}, {total / max(n, 1):.3f})")
                 print(f"  {name:<20} " + "   ".join(cells))
+    for r in rows:
+        if "critical_path_ms" not in r:
+            continue
+        c = r["critical_path_ms"]
+        print(f"m = {r['m']} {r['schedule']}: pp_rank 0's step along its critical path (mean ms)")
+        for name in sorted(set(c["smshim"]) | set(c["torch"]), key=_gap_order):
+            ours, theirs = c["smshim"].get(name, 0.0), c["torch"].get(name, 0.0)
+            print(f"  {name:<20} smshim {ours:7.2f}   torch {theirs:7.2f}   {ours - theirs:+6.2f}")
+        ours, theirs = sum(c["smshim"].values()), sum(c["torch"].values())
+        print(f"  {'in all':<20} smshim {ours:7.2f}   torch {theirs:7.2f}   {ours - theirs:+6.2f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
