@@ -126,11 +126,11 @@ def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]
     ops = _step_ops(results, p, step)
     gaps = [(gap[0], key[0], gap[1]) for key, (_, _, gap, _) in ops.items() if gap is not None]
     span = results[0].get("spans")
-    firsts = [v for k, v in ops.items() if k[0] == 0]
-    if span is not None and firsts:
+    stage0 = [v for k, v in ops.items() if k[0] == 0]
+    if span is not None and stage0:
         start, end = span[step]
-        gaps.append(("step head", 0, min(v[0] for v in firsts) - start))
-        gaps.append(("step tail", 0, end - max(v[1] for v in firsts)))
+        gaps.append(("step head", 0, min(v[0] for v in stage0) - start))
+        gaps.append(("step tail", 0, end - max(v[1] for v in stage0)))
     return gaps
 
 
