@@ -13,7 +13,7 @@ def _results(sleeps_by_rank, span):
             for r, sleeps in enumerate(sleeps_by_rank)]
 
 
-# p = 2, m = 1, in ms: F on stage 0, the hop, F then B on stage 1, the hop back, B on stage 0.
+# p = 2, m = 1 (seconds): F on stage 0, the hop, F then B on stage 1, the hop back, B on stage 0.
 _ONE_MICROBATCH = _results([
     [("F", 0, 0.000, 0.020), ("B", 0, 0.083, 0.123)],
     [("F", 0, 0.021, 0.041), ("B", 0, 0.0415, 0.0815)],
