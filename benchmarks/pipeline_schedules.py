@@ -125,10 +125,9 @@ def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]
     """(kind, stage, seconds) of every gap of one step, and pp_rank 0's head and tail."""
     ops = _step_ops(results, p, step)
     gaps = [(gap[0], key[0], gap[1]) for key, (_, _, gap, _) in ops.items() if gap is not None]
-    span = results[0].get("spans")
     stage0 = [v for k, v in ops.items() if k[0] == 0]
-    if span is not None and stage0:
-        start, end = span[step]
+    if stage0:
+        start, end = results[0]["spans"][step]
         gaps.append(("step head", 0, min(v[0] for v in stage0) - start))
         gaps.append(("step tail", 0, end - max(v[1] for v in stage0)))
     return gaps
@@ -238,6 +237,24 @@ def stage_per_rank(cfg: dict, make_module: Callable[[], nn.Module]):
     return model, train_step
 
 
+def _timed_steps(steps: int, gaps: bool, one_step: Callable[[], None],
+                 before: Callable[[], None] = lambda: None) -> dict:
+    """Run `one_step` steps + 1 times (the first is a warm-up, left out), each after `before`
+    (untimed); each step's span on this process's clock, CPU time and (with `gaps`) sleeps."""
+    spans, sleeps, cpu = [], [], []
+    for _ in range(steps + 1):
+        before()
+        _recording(gaps)
+        c0, t0 = time.process_time(), time.perf_counter()
+        one_step()
+        spans.append((t0, time.perf_counter()))
+        cpu.append(time.process_time() - c0)
+        sleeps.append(_SLEEPS)
+    _recording(False)
+    return {"times": [b - a for a, b in spans[1:]], "spans": spans[1:], "sleeps": sleeps[1:],
+            "cpu": cpu[1:]}
+
+
 def _smshim(p, m, tf, steps, schedule, glue_loss=False, gaps=False):
     # interleaved keeps the default active_microbatches, min(p + 2, m).
     cfg = {"pipeline_parallel_degree": p, "microbatches": m, "pipeline": schedule,
@@ -247,18 +264,9 @@ def _smshim(p, m, tf, steps, schedule, glue_loss=False, gaps=False):
     model, train_step = stage_per_rank(cfg, lambda: SleepPipe(p, tf, glue_loss))
 
     x = _inputs(m, gaps)
-    spans, sleeps, cpu = [], [], []
-    for _ in range(steps + 1):
-        _recording(gaps)
-        c0, t0 = time.process_time(), time.perf_counter()
-        train_step(model, x)
-        spans.append((t0, time.perf_counter()))
-        cpu.append(time.process_time() - c0)
-        sleeps.append(_SLEEPS)
-    _recording(False)
-    peak = model._pipeline.server.peak_live_microbatches
-    return {"times": [b - a for a, b in spans[1:]], "spans": spans[1:], "peak_live": peak,
-            "sleeps": sleeps[1:], "cpu": cpu[1:]}
+    out = _timed_steps(steps, gaps, lambda: train_step(model, x))
+    out["peak_live"] = model._pipeline.server.peak_live_microbatches
+    return out
 
 
 def _torch_pipelining(p, m, tf, steps, schedule, gaps=False):
@@ -274,23 +282,16 @@ def _torch_pipelining(p, m, tf, steps, schedule, gaps=False):
     cls = ScheduleGPipe if schedule == "simple" else Schedule1F1B
     sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
     x = _inputs(m, gaps)
-    spans, sleeps, cpu = [], [], []
-    for _ in range(steps + 1):
-        dist.barrier()
-        _recording(gaps)
-        c0, t0 = time.process_time(), time.perf_counter()
+
+    def one_step() -> None:
         if rank == 0:
             sched.step(x)
         elif rank == p - 1:
             sched.step(target=torch.zeros(m, 4), losses=[])
         else:
             sched.step()
-        spans.append((t0, time.perf_counter()))
-        cpu.append(time.process_time() - c0)
-        sleeps.append(_SLEEPS)
-    _recording(False)
-    return {"times": [b - a for a, b in spans[1:]], "spans": spans[1:], "sleeps": sleeps[1:],
-            "cpu": cpu[1:]}
+
+    return _timed_steps(steps, gaps, one_step, before=dist.barrier)
 
 
 def main() -> None:
