@@ -7,13 +7,13 @@ groups used by nothing else: messages from one rank to another arrive in the ord
 and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are two
 groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
 second), so that each TCP connection carries frames one way: when two ranks posted frames to each
-other on one connection at the same moment, gloo stalled one or both by up to 4-9 ms (over 1.5
-ms in 12-40 % of such moments, against 1 % with a group per direction:
+other on one connection at the same moment, gloo stalled one or both by up to 4-9 ms (over
+1.5 ms in 12-40 % of such moments, against 1 % with a group per direction:
 `benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a pipeline send to each
-other at the same moment once per microbatch. The thread that sends a message posts
-it itself, with whatever was queued for the peer before it, as one frame: a small header (two
-int64 lengths, then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and
-dtypes in place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
+other at the same moment once per microbatch. The thread that sends a message posts it itself,
+with whatever was queued for the peer before it, as one frame: a small header (two int64 lengths,
+then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and dtypes in
+place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
 FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute, glue
 or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no thread
 hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
