@@ -24,14 +24,14 @@ turn from a microbatch's forward to its backward) and prints:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 _EPS = 1e-9  # times are sums of the same latencies in different orders: compare with slack
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Latencies:
     """Milliseconds each transition takes (`pipeline_schedules.py --gaps`' kinds)."""
 
@@ -114,8 +114,9 @@ def sensitivities(p: int, m: int, tf: float, tb: float, at: Latencies,
     """ms of step per ms of each latency, by a finite difference above `at`."""
     base = step_ms(p, m, tf, tb, at)
     out = {}
-    for name in Latencies.__dataclass_fields__:
-        bumped = Latencies(**{**at.__dict__, name: getattr(at, name) + delta})
+    for field in dataclasses.fields(Latencies):
+        name = field.name
+        bumped = dataclasses.replace(at, **{name: getattr(at, name) + delta})
         out[name] = (step_ms(p, m, tf, tb, bumped) - base) / delta
     return out
 
@@ -162,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             lat = from_gaps(row["gaps_ms_and_count"][system])
             modelled[system] = step_ms(p, m_row, tf_row, 2 * tf_row, lat)
             measured = row[f"{system}_s"] * 1e3
-            cells = ", ".join(f"{k} {v:.2f}" for k, v in lat.__dict__.items())
+            cells = ", ".join(f"{k} {v:.2f}" for k, v in dataclasses.asdict(lat).items())
             print(f"  {system:<6} {cells}: modelled {modelled[system]:.1f} ms, "
                   f"measured {measured:.1f}")
         print(f"  smshim / torch: modelled {modelled['smshim'] / modelled['torch']:.4f}, "
