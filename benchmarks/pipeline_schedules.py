@@ -302,15 +302,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--loss", choices=["stage", "glue"], default="stage",
                     help="where the loss is computed: on the last stage, or in the root's forward")
-    ap.add_argument("--out", default=None, help="default: results/pipeline_schedules[_glue].json")
+    ap.add_argument("--out", default=None,
+                    help="default: results/pipeline_schedules[_glue][_gaps].json")
     ap.add_argument("--schedules", nargs="+", choices=["simple", "interleaved"],
                     default=["simple", "interleaved"])
     ap.add_argument("--gaps", action="store_true",
                     help="also where each step lost time against the theory (see above)")
     a = ap.parse_args()
-    if a.out is None:
+    if a.out is None:  # (a --gaps run, traced, keeps its own file: not the plain runs' figures)
         a.out = os.path.join(os.path.dirname(__file__), "results", "pipeline_schedules"
-                             + ("_glue" if a.loss == "glue" else "") + ".json")
+                             + ("_glue" if a.loss == "glue" else "")
+                             + ("_gaps" if a.gaps else "") + ".json")
     tf = a.tf_ms / 1000
     rows = []
     for m in a.m:
