@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true",
                     help="also where each step lost time against the theory (see above)")
     a = ap.parse_args()
-    if a.out is None:  # (a --gaps run, traced, keeps its own file: not the plain runs' figures)
+    if a.out is None:  # (a --gaps run has its own file: the plain runs' figures stay)
         a.out = os.path.join(os.path.dirname(__file__), "results", "pipeline_schedules"
                              + ("_glue" if a.loss == "glue" else "")
                              + ("_gaps" if a.gaps else "") + ".json")
