@@ -121,53 +121,68 @@ def _step_ops(results: list, p: int, step: int) -> Dict[tuple, tuple]:
     return out
 
 
-def _step_gaps(results: list, p: int, step: int) -> List[Tuple[str, int, float]]:
+def _steps(results: list, p: int) -> List[Tuple[Dict[tuple, tuple], Tuple[float, float]]]:
+    """Each recorded step's sleeps (`_step_ops`) with pp_rank 0's span of it, worked out once
+    for the gaps and the critical path."""
+    return [(_step_ops(results, p, step), results[0]["spans"][step])
+            for step in range(len(results[0]["sleeps"]))]
+
+
+def _head_and_tail(ops: Dict[tuple, tuple], span: Tuple[float, float]) -> Optional[tuple]:
+    """pp_rank 0's step head (the step function's call to its first sleep) and tail (its last
+    sleep's end to the return), in seconds, and the key of that last sleep; None if it has no
+    sleep in the step."""
+    mine = [k for k in ops if k[0] == 0]
+    if not mine:
+        return None
+    first = min(mine, key=lambda k: ops[k][0])
+    last = max(mine, key=lambda k: ops[k][1])
+    return ops[first][0] - span[0], span[1] - ops[last][1], last
+
+
+def _step_gaps(ops: Dict[tuple, tuple], span: Tuple[float, float]) -> List[Tuple[str, int, float]]:
     """(kind, stage, seconds) of every gap of one step, and pp_rank 0's head and tail."""
-    ops = _step_ops(results, p, step)
     gaps = [(gap[0], key[0], gap[1]) for key, (_, _, gap, _) in ops.items() if gap is not None]
-    stage0 = [v for k, v in ops.items() if k[0] == 0]
-    if stage0:
-        start, end = results[0]["spans"][step]
-        gaps.append(("step head", 0, min(v[0] for v in stage0) - start))
-        gaps.append(("step tail", 0, end - max(v[1] for v in stage0)))
+    head_tail = _head_and_tail(ops, span)
+    if head_tail is not None:
+        gaps.append(("step head", 0, head_tail[0]))
+        gaps.append(("step tail", 0, head_tail[1]))
     return gaps
 
 
-def _critical_path(results: list, p: int) -> Dict[str, float]:
-    """What pp_rank 0's step is made of, in ms, means over the steps: walking back from its
-    last sleep, each sleep ("work") and the gap before it, through the sleep it waited for
-    last, to the step's first; with the step's head and tail they add up to its time. Keyed
+def _critical_path(steps: list) -> Dict[str, float]:
+    """What pp_rank 0's step is made of, in ms, means over the steps (`_steps`): walking back
+    from its last sleep, each sleep ("work") and the gap before it, through the sleep it waited
+    for last, to the step's first; with the step's head and tail they add up to its time. Keyed
     as the gaps are ("kind, stage r")."""
     sums: Dict[str, float] = collections.defaultdict(float)
-    steps = len(results[0]["sleeps"])
-    for step in range(steps):
-        ops = _step_ops(results, p, step)
-        mine = [k for k in ops if k[0] == 0]
-        if not mine:
+    for ops, span in steps:
+        head_tail = _head_and_tail(ops, span)
+        if head_tail is None:
             continue
-        start, end = results[0]["spans"][step]
-        key = max(mine, key=lambda k: ops[k][1])
-        sums["step tail, stage 0"] += end - ops[key][1]
+        head, tail, key = head_tail
+        sums["step tail, stage 0"] += tail
         while key is not None:
             t0, t1, gap, after = ops[key]
             sums["work"] += t1 - t0
             if gap is not None:
                 sums[f"{gap[0]}, stage {key[0]}"] += gap[1]
-            elif key[0] == 0:
-                sums["step head, stage 0"] += t0 - start
+            elif key[0] == 0:  # (pp_rank 0's first sleep)
+                sums["step head, stage 0"] += head
             key = after
-    return {k: v * 1e3 / steps for k, v in sorted(sums.items(), key=lambda kv: _gap_order(kv[0]))}
+    return {k: v * 1e3 / len(steps)
+            for k, v in sorted(sums.items(), key=lambda kv: _gap_order(kv[0]))}
 
 
-def _gaps(results: list, p: int) -> Tuple[Dict[str, Tuple[float, float]],
-                                          Dict[str, Tuple[float, float]]]:
-    """(Sum in ms, count) a step of each kind of gap, medians over the steps: by kind, and by
-    kind at each stage (keyed "kind, stage r"), from one pass over each step's gaps."""
+def _gaps(steps: list) -> Tuple[Dict[str, Tuple[float, float]], Dict[str, Tuple[float, float]]]:
+    """(Sum in ms, count) a step of each kind of gap, medians over the steps (`_steps`): by
+    kind, and by kind at each stage (keyed "kind, stage r"), from one pass over each step's
+    gaps."""
     per_step = []
-    for step in range(len(results[0]["sleeps"])):
+    for ops, span in steps:
         sums: Dict[str, float] = collections.defaultdict(float)
         counts: Dict[str, int] = collections.defaultdict(int)
-        for name, r, gap in _step_gaps(results, p, step):
+        for name, r, gap in _step_gaps(ops, span):
             for key in (name, f"{name}, stage {r}"):
                 sums[key] += gap
                 counts[key] += 1
@@ -336,13 +351,14 @@ def main() -> None:
                     "torch": [statistics.median(r["cpu"]) * 1e3 for r in theirs]},
             })
             if a.gaps:
+                ours_steps, theirs_steps = _steps(ours, a.p), _steps(theirs, a.p)
                 (ours_gaps, ours_by_stage), (theirs_gaps, theirs_by_stage) = (
-                    _gaps(ours, a.p), _gaps(theirs, a.p))
+                    _gaps(ours_steps), _gaps(theirs_steps))
                 rows[-1]["gaps_ms_and_count"] = {"smshim": ours_gaps, "torch": theirs_gaps}
                 rows[-1]["gaps_by_stage_ms_and_count"] = {"smshim": ours_by_stage,
                                                           "torch": theirs_by_stage}
-                rows[-1]["critical_path_ms"] = {"smshim": _critical_path(ours, a.p),
-                                                "torch": _critical_path(theirs, a.p)}
+                rows[-1]["critical_path_ms"] = {"smshim": _critical_path(ours_steps),
+                                                "torch": _critical_path(theirs_steps)}
     print(f"sleep stages: p={a.p}, tf={a.tf_ms:.0f} ms, tb={2 * a.tf_ms:.0f} ms, "
           f"median of {a.steps} steps, loss on the {'root' if a.loss == 'glue' else 'last stage'}")
     print(f"{'m':>3} {'schedule':<12} {'theory':>8} {'smshim':>8} {'/theory':>8} "
