@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import statistics
 import sys
@@ -56,8 +57,11 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tf, tb):
         ctx.tb = tb
-        # (With --gaps each microbatch's inputs hold its index: `_inputs`.)
-        ctx.mb = int(x.reshape(-1)[0]) if _SLEEPS is not None else -1
+        # (With --gaps each microbatch's inputs hold its index: `_inputs`. Torch's later stages
+        # first run on uninitialized tensors to infer shapes, in the warm-up step: not a
+        # microbatch, and their first element may be NaN or infinite.)
+        mb = float(x.reshape(-1)[0]) if _SLEEPS is not None else -1.0
+        ctx.mb = int(mb) if math.isfinite(mb) else -1
         with DEVICE_LOCK:
             t0 = time.perf_counter()
             time.sleep(tf)
