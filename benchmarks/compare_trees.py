@@ -5,12 +5,13 @@ Each pair runs the benchmark once with each tree, every tree's own copy of it im
 `--bench tiny` (the default): `pipeline_as_written.py` on the overhead-bound model (8 blocks of
 width 16, batch 128, pp = 2, m = 8, `interleaved`, ranks pinned, the systems in turns of 10
 steps, 30 steps). `--bench sleep`: `pipeline_schedules.py`'s sleep stages (p = 4, m = 8,
-`interleaved` against Schedule1F1B, 5 steps), a latency-bound step. The order alternates from
-pair to pair: the second run of a pair tends to measure higher, by more than a small change is
-worth (docs/benchmarks.md). Prints each tree's median smshim / torch and quartiles, for each
+`interleaved` against Schedule1F1B, 5 steps), a latency-bound step; `--bench sleep8`: the same
+with p = 8, m = 32, tf = 10 ms, 4 steps (8 processes on the machine's cores). The order
+alternates from pair to pair: the second run of a pair tends to measure higher, by more than a
+small change is worth (docs/benchmarks.md). Prints each tree's median smshim / torch and quartiles, for each
 order and overall, and in how many pairs this checkout was lower.
 
-    python benchmarks/compare_trees.py REV [--bench tiny|sleep] [--pairs 30] [--out FILE]
+    python benchmarks/compare_trees.py REV [--bench tiny|sleep|sleep8] [--pairs 30] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ BENCHES = {
     "sleep": ("pipeline_schedules.py", ["--m", "8", "--schedules", "interleaved"],
               lambda data: next(r for r in data if r["schedule"] == "interleaved")
               ["smshim_vs_torch"]),
+    "sleep8": ("pipeline_schedules.py", ["--p", "8", "--m", "32", "--tf-ms", "10", "--steps", "4",
+                                         "--schedules", "interleaved"],
+               lambda data: next(r for r in data if r["schedule"] == "interleaved")
+               ["smshim_vs_torch"]),
 }
 # Options an older revision's copy of a benchmark may not have (it then runs its default).
 _NEWER = {"--schedules": 1}

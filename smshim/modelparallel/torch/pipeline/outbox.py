@@ -14,14 +14,11 @@ class Outbox:
     """Messages queued for one peer, and the frames posted to it that may still be in flight."""
 
     def __init__(self) -> None:
-        # `lock` guards everything but `posting`; taken as `with box.lock` (Condition's `with`
-        # is a Python call, and every message sent enters it), waited on through `cond`.
+        # `lock` guards everything but `posting`.
         self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
         self.items: List[tuple] = []  # (message, done event or None), not yet posted
-        self.hold_until: Optional[float] = None  # items are held until then (see send's hold)
-        self.last_deadline = -NEVER  # the latest hold_until set
-        self.wakes_at = NEVER  # when the sender thread's wait ends by itself
+        # Items are held until then (see send's hold; sender.py posts them then).
+        self.hold_until: Optional[float] = None
         self.posting = threading.Lock()  # one frame at a time, in queue order (see _post)
         # Posted frames not yet known complete: (works, buffers, done events, description).
         self.posted: collections.deque = collections.deque()

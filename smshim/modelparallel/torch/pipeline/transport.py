@@ -1,28 +1,27 @@
 """Messages between the ranks of one pipeline (PP) group.
 
-Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one sender
-thread and one receiver (a role that threads take in turn, one at a time: a receiver that gets
-work from a frame runs it itself and hands the receiving on, see `_recv_session`), on process
-groups used by nothing else: messages from one rank to another arrive in the order they were sent,
-and gloo's (peer, tag) matching can never pair a buffer with the wrong message. There are two
-groups, one per direction (messages to a higher pp rank on the first, to a lower one on the
-second), so that each TCP connection carries frames one way: when two ranks posted frames to each
-other on one connection at the same moment, gloo stalled one or both by up to 4-9 ms (over
-1.5 ms in 12-40 % of such moments, against 1 % with a group per direction:
+Shape (ENGINE.md, "Messages between ranks"): for each ordered pair of ranks there is one receiver
+(a role that threads take in turn, one at a time: a receiver that gets work from a frame runs it
+itself and hands the receiving on, see `_recv_session`), and each rank has one sender thread
+(sender.py), on process groups used by nothing else: messages from one rank to another arrive in
+the order they were sent, and gloo's (peer, tag) matching can never pair a buffer with the wrong
+message. There are two groups, one per direction (messages to a higher pp rank on the first, to a
+lower one on the second), so that each TCP connection carries frames one way: when two ranks posted
+frames to each other on one connection at the same moment, gloo stalled one or both by up to 4-9 ms
+(over 1.5 ms in 12-40 % of such moments, against 1 % with a group per direction:
 `benchmarks/gloo_latency.py --both-ways`), and under 1F1B the stages of a pipeline send to each
-other at the same moment once per microbatch. The thread that sends a message posts it itself,
-with whatever was queued for the peer before it, as one frame: a small header (two int64 lengths,
-then each `Message` as a tuple of its fields, pickled, with its tensors' shapes and dtypes in
-place of the tensors) and the tensors' bytes, in a single gloo isend when it fits in
-FRAME_BYTES (see `_post_frame`). An isend never waits for the peer's receive, so no compute, glue
-or receiver thread waits on a transfer, a busy peer or one not yet in the step, and no thread
-hand-off lies between a result and its transfer. The sender thread only waits for posted frames to
-complete (their buffers live until then) and keeps the deadline of held messages: a sender may
+other at the same moment once per microbatch. The thread that sends a message posts it itself, with
+whatever was queued for the peer before it, as one frame: a small header (two int64 lengths, then
+each `Message` as a tuple of its fields, pickled, with its tensors' shapes and dtypes in place of
+the tensors) and the tensors' bytes, in a single gloo isend when it fits in FRAME_BYTES (see
+`_post_frame`). An isend never waits for the peer's receive, so no compute, glue or receiver thread
+waits on a transfer, a busy peer or one not yet in the step, and no thread hand-off lies between a
+result and its transfer. The sender thread only waits for posted frames to complete (their buffers
+live until then) and keeps the deadline of held messages, for all the rank's peers. A sender may
 hold a message back to leave with the next ones (`send(hold=True)`, then `flush`): pp_rank 0 sends
-a stage's calls of one microbatch as one frame (a chain of them as one request: `extend_last`).
-CPU tensors travel inside the frame; with a device channel (channels.py: CUDA tensors on NCCL
-groups of their own), CUDA tensors leave right after their frame, in header order, never through
-host memory.
+a stage's calls of one microbatch as one frame (a chain of them as one request: `extend_last`). CPU
+tensors travel inside the frame; with a device channel (channels.py: CUDA tensors on NCCL groups of
+their own), CUDA tensors leave right after their frame, in header order, never through host memory.
 
 Receivers only sit in a gloo receive during a step: each rank opens a session when it enters a
 step and, when it leaves, sends CLOSE to every peer; a receiver ends its session on the peer's
@@ -55,20 +54,21 @@ from smshim.modelparallel.torch.pipeline.frames import (_DTYPE_CODE, _DTYPE_OF, 
                                                        _prefix, _read_prefix)
 from smshim.modelparallel.torch.pipeline.messages import (CLOSE, ERROR, Message,
                                                          PipelineError, _nbytes)
-from smshim.modelparallel.torch.pipeline.outbox import NEVER, Outbox
+from smshim.modelparallel.torch.pipeline.outbox import Outbox
+from smshim.modelparallel.torch.pipeline.sender import SenderThread
 from smshim.modelparallel.torch.pipeline.workers import Workers
 
 logger = logging.getLogger(__name__)
 
 
-# Posted frames the sender thread lets accumulate before it waits for them (see `_send_loop`).
+# Posted frames the sender thread lets accumulate before it waits for them (see `_reap`).
 _MAX_POSTED = 8
 # The longest a held message waits for the ones after it (see `Transport.send`). Long enough for
 # pp_rank 0 to issue one stage's calls of a microbatch (about a millisecond each); the thread
 # that held them normally flushes them well before.
 HOLD_S = 0.005
-# For this long after the last deadline, a sender thread with nothing held wakes every
-# `hold_s` instead of sleeping until notified (see `_send_loop`).
+# For this long after the last deadline, the sender thread wakes every `hold_s` instead of
+# sleeping until notified (see sender.py).
 _LINGER_S = 0.05
 
 
@@ -156,11 +156,10 @@ class Transport:
         self._holding = _Holding()
         for peer in self.peers:
             self._outbox[peer] = Outbox()
-            t = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
-                                 name=f"smp-send-{self.me}-{peer}")
-            t.start()
-            self._threads.append(t)
             self._session_starts[peer] = threading.Semaphore(0)
+        self._sender = SenderThread(self._outbox, self._post, self._reap, hold_s, _LINGER_S,
+                                    name=f"smp-send-{self.me}")
+        self._threads.append(self._sender.thread)
         # Receiving from a peer is a role that threads take in turn (see `_recv_session`).
         self._receivers = Workers(f"smp-recv-{self.me}")
         for peer in self.peers:
@@ -266,9 +265,8 @@ class Transport:
         ~1 ms in all on a busy 2-core machine), and pp_rank 0 issues a stage's calls one after
         another (one request per module). Held messages leave when this thread calls `flush`
         (before it computes or waits for anything), when a message that is not held is sent to
-        the same peer, or at the latest `hold_s` after the first of them (the peer's sender
-        thread keeps the deadline: a thread that forgets to flush delays, never loses, what it
-        held)."""
+        the same peer, or at the latest `hold_s` after the first of them (the rank's sender
+        thread keeps it: a thread that forgets to flush delays, never loses, what it held)."""
         if wait or not hold:
             done = self._send(peer, [msg], threading.Event() if wait else None)
             if done is not None:
@@ -296,9 +294,8 @@ class Transport:
         with box.lock:
             box.items.append((msg, None))
             if box.hold_until is None:
-                box.hold_until = box.last_deadline = time.monotonic() + self.hold_s
-                if box.wakes_at > box.hold_until:  # (else it wakes in time by itself)
-                    box.cond.notify()  # the sender thread keeps the deadline
+                box.hold_until = until = time.monotonic() + self.hold_s
+                self._sender.held(until)
 
     def extend_last(self, peer: int, extend: Callable[[Message], bool]) -> bool:
         """`extend(msg)` on the last message queued for `peer` if it has not left yet, under
@@ -371,7 +368,7 @@ class Transport:
             with box.lock:
                 box.posted.append((works, keep, dones, what))
                 if dones or len(box.posted) > _MAX_POSTED:
-                    box.cond.notify()  # the sender thread waits for them (see _send_loop)
+                    self._sender.reap_wanted()  # the sender thread waits for them (`_reap`)
 
     def _post_traced(self, peer: int, msgs: List[Message]) -> tuple:
         """`_post_frame` inside a span of the timeline."""
@@ -394,52 +391,25 @@ class Transport:
         self.fail(PipelineError(f"pp rank {self.me} could not send {what} to pp rank {peer} "
                                 f"(global rank {self.ranks[peer]}): {exc}"))
 
-    def _send_loop(self, peer: int) -> None:
-        """The peer's sender thread: posts held messages at their deadline, and waits for posted
-        frames to complete (a frame's buffers live until then; `send(wait=True)` returns then)
-        once one is waited for or many are posted: waiting for a completed send costs nothing,
-        and the threads that send wait only when they ask to (`wait`)."""
-        box = self._outbox[peer]
-        while True:
+    def _reap(self, peer: int, box: Outbox) -> None:
+        """(The sender thread, sender.py.) Wait for the frames posted to `peer` to complete (a
+        frame's buffers live until then; `send(wait=True)` returns then) once one is waited for
+        or many are posted: waiting for a completed send costs nothing, and the threads that
+        send wait only when they ask to (`wait`)."""
+        with box.lock:
+            if not (box.posted and (len(box.posted) > _MAX_POSTED or _waited_for(box.posted))):
+                return
+            posted = list(box.posted)
+        for works, _, dones, what in posted:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as e:  # noqa: BLE001
+                self._send_failed(peer, what, e)
             with box.lock:
-                while True:
-                    if self._shutdown:
-                        return
-                    if box.posted and (len(box.posted) > _MAX_POSTED or _waited_for(box.posted)):
-                        due = False
-                        break
-                    now = time.monotonic()
-                    if box.hold_until is not None:
-                        if box.hold_until <= now:
-                            due = True
-                            break
-                        box.wakes_at = box.hold_until
-                    elif now - box.last_deadline < _LINGER_S:
-                        # Holds come in runs (pp_rank 0 during a step). Waking every hold_s
-                        # keeps any deadline set meanwhile, so a hold needs no notify (a
-                        # thread switch) while the run lasts: half the wakes of a notify per
-                        # hold and a wake at its deadline.
-                        box.wakes_at = now + self.hold_s
-                    else:
-                        box.wakes_at = NEVER
-                    box.cond.wait(timeout=None if box.wakes_at == NEVER
-                                  else box.wakes_at - now)
-                    box.wakes_at = NEVER
-                posted = list(box.posted) if not due else []
-            if due:
-                self._post(peer, box)
-                continue
-            for works, _, dones, what in posted:
-                try:
-                    for work in works:
-                        work.wait()
-                except Exception as e:  # noqa: BLE001
-                    self._send_failed(peer, what, e)
-                with box.lock:
-                    box.posted.popleft()
-                for d in dones:
-                    d.set()
-            del posted  # hold no tensors while idle (nor when the thread ends at exit)
+                box.posted.popleft()
+            for d in dones:
+                d.set()
 
     def _post_frame(self, peer: int, msgs: List[Message]) -> tuple:
         """Post `msgs` to pp rank `peer` as one frame: [header length]
@@ -620,11 +590,9 @@ class Transport:
             except PipelineError as e:
                 logger.error("pipeline rank %d at shutdown: %s", self.me, e)
         self._shutdown = True
+        self._sender.stop()
         for sem in self._session_starts.values():
             sem.release()
-        for box in self._outbox.values():
-            with box.lock:
-                box.cond.notify_all()
         self._receivers.stop()
         deadline = time.monotonic() + join_timeout_s
         for t in self._threads + list(self._receivers.threads):
