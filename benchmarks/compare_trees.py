@@ -8,8 +8,8 @@ steps, 30 steps). `--bench sleep`: `pipeline_schedules.py`'s sleep stages (p = 4
 `interleaved` against Schedule1F1B, 5 steps), a latency-bound step; `--bench sleep8`: the same
 with p = 8, m = 32, tf = 10 ms, 4 steps (8 processes on the machine's cores). The order
 alternates from pair to pair: the second run of a pair tends to measure higher, by more than a
-small change is worth (docs/benchmarks.md). Prints each tree's median smshim / torch and quartiles, for each
-order and overall, and in how many pairs this checkout was lower.
+small change is worth (docs/benchmarks.md). Prints each tree's median smshim / torch and
+quartiles, for each order and overall, and in how many pairs this checkout was lower.
 
     python benchmarks/compare_trees.py REV [--bench tiny|sleep|sleep8] [--pairs 30] [--out FILE]
 """
