@@ -43,6 +43,7 @@ from smshim.modelparallel.torch.pipeline.scheduler import BACKWARD, FORWARD, Com
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.server import ModuleServer
 from smshim.modelparallel.torch.state import state
+from smshim.modelparallel.torch.pipeline.packing import pack, unpack
 from smshim.modelparallel.torch.pipeline.structure import fill, flatten
 from smshim.timeline.recorder import Timeline
 from smshim.modelparallel.torch.pipeline.messages import (STEP_END, Message, PipelineError)
@@ -253,7 +254,8 @@ class Pipeline:
         # (No wait for `returned` otherwise: every body has counted itself finished, the last
         # thing it does with the step's state; waiting would cost the caller one more wake.)
         template, tensors = flatten(results)
-        end = Message(STEP_END, step, meta=template, tensors=tensors)
+        spec, packed = pack(tensors)
+        end = Message(STEP_END, step, meta=(template, spec), tensors=packed)
         if self.server.has_nested_callers():
             # Peers that called modules here from inside theirs may still send the backward of
             # those calls: serve it before closing (what it sends must precede the CLOSE).
@@ -368,7 +370,8 @@ class Pipeline:
         self.server.wait_idle(step)
         self.server.finish_nested(step)
         self._finish(step)
-        return fill(msg.meta, msg.tensors)
+        template, spec = msg.meta
+        return fill(template, unpack(spec, msg.tensors))
 
     def _on_local_backward_done(self) -> None:
         with self._reduce_lock:
