@@ -454,33 +454,3 @@ def test_a_failure_notice_reaches_a_peer_whose_global_rank_is_not_its_pp_rank():
     assert error is not None and "stage 0 broke" in error, error
     assert "pp rank 0 (global rank 1) failed" in error, error
 
-
-def _quiet_close(steps):
-    import torch
-
-    from smshim.modelparallel.torch.pipeline.messages import STEP_END, Message
-    from smshim.modelparallel.torch.pipeline.transport import Transport
-
-    me, groups = _rank_and_group()
-    got = []
-    transport = Transport([0, 1, 2], me, groups, _each(lambda msg: got.append(msg.kind)), 30.0,
-                          torch.device("cpu"))
-    wanted = []
-    reap_wanted = transport._sender.reap_wanted
-    transport._sender.reap_wanted = lambda: (wanted.append(1), reap_wanted())
-    for step in range(steps):
-        transport.open_session()
-        last = Message(STEP_END, step, tensors=[torch.ones(3)]) if me == 0 else None
-        transport.close_session(step, last=last)
-    at_close = len(wanted)
-    transport.shutdown()
-    return at_close, all(done.is_set() for done in transport._closes_sent), got
-
-
-def test_closing_a_step_does_not_wake_the_sender_thread_and_shutdown_waits_for_the_closes():
-    """A step's CLOSEs are waited for only at shutdown: posting them (p - 1 at once at a step's
-    end) leaves the sender thread asleep; shutdown has it wait for them."""
-    for me, (at_close, sent, got) in enumerate(run_ranks(_quiet_close, 3, 3, timeout=120)):
-        assert at_close == 0, (me, at_close)
-        assert sent, me
-        assert got == ([] if me == 0 else ["step_end"] * 3), (me, got)

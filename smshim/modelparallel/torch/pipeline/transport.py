@@ -72,19 +72,6 @@ HOLD_S = 0.005
 _LINGER_S = 0.05
 
 
-class _AwaitedLater(threading.Event):
-    """A frame's done event that nobody waits on until later (a step's CLOSEs: at shutdown), so
-    posting it does not wake the sender thread: at a step's end it would take the interpreter
-    from the thread posting the CLOSEs to the other peers (p of them at once at p = 8)."""
-
-
-def _awaited_now(dones: List[threading.Event]) -> bool:
-    for d in dones:
-        if type(d) is not _AwaitedLater:
-            return True
-    return False
-
-
 def _waited_for(posted: "collections.deque") -> bool:
     """Is a posted frame waited for (`send(wait=True)`: its entry has done events)?"""
     for entry in posted:
@@ -234,7 +221,7 @@ class Transport:
         peer that leaves in the same frame, just before the CLOSE (pp_rank 0's STEP_END)."""
         self._closes_sent = [
             self._send(peer, ([] if last is None else [last]) + [Message(CLOSE, step=step)],
-                       _AwaitedLater())
+                       threading.Event())
             for peer in self.peers]
         self._closed_sessions += 1
         self._closed_steps.append(step)
@@ -380,7 +367,7 @@ class Transport:
                 return
             with box.lock:
                 box.posted.append((works, keep, dones, what))
-                if len(box.posted) > _MAX_POSTED or _awaited_now(dones):
+                if dones or len(box.posted) > _MAX_POSTED:
                     self._sender.reap_wanted()  # the sender thread waits for them (`_reap`)
 
     def _post_traced(self, peer: int, msgs: List[Message]) -> tuple:
@@ -598,8 +585,7 @@ class Transport:
             # No receive may be left pending at exit: wait for the last step's CLOSEs.
             try:
                 self._await_closes(self._closed_sessions, self._closed_steps[1])
-                self._sender.reap_wanted()  # (and this rank's own have left)
-                for done in self._closes_sent:
+                for done in self._closes_sent:  # (and this rank's own have left)
                     self._wait_sent(done)
             except PipelineError as e:
                 logger.error("pipeline rank %d at shutdown: %s", self.me, e)
