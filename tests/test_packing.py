@@ -51,13 +51,14 @@ def test_a_result_in_a_graph_travels_as_its_value():
     assert [float(t) for t in unpack(spec, packed)] == [0.0, 3.0, 6.0, 9.0]
 
 
-def test_sparse_tensors_are_not_stacked():
+def test_sparse_and_nested_tensors_are_not_stacked():
     s = torch.eye(3).to_sparse()
-    tensors = [s, torch.tensor(1.0), torch.tensor(2.0)]
+    n = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    tensors = [s, torch.tensor(1.0), n, torch.tensor(2.0)]
     spec, packed = pack(tensors)
-    assert packed[spec[0][0]] is s
+    assert packed[spec[0][0]] is s and packed[spec[2][0]] is n
     out = unpack(spec, packed)
-    assert out[0] is s and [float(t) for t in out[1:]] == [1.0, 2.0]
+    assert out[0] is s and out[2] is n and [float(out[1]), float(out[3])] == [1.0, 2.0]
 
 
 class _Net(nn.Module):

@@ -453,4 +453,3 @@ def test_a_failure_notice_reaches_a_peer_whose_global_rank_is_not_its_pp_rank():
     _, _, error = run_ranks(_failure_notice, 3, timeout=120)
     assert error is not None and "stage 0 broke" in error, error
     assert "pp rank 0 (global rank 1) failed" in error, error
-

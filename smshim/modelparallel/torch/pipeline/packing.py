@@ -3,9 +3,9 @@
 A frame costs each of its tensors a header entry, a copy of its bytes and, on receipt, a tensor
 of its own. pp_rank 0's STEP_END carries the step's results to every peer: usually a loss per
 microbatch, so p - 1 frames of m tensors each at the step's end, on its critical path (at p = 8,
-m = 32: ~0.4 ms of pp_rank 0's CPU a frame, 2-4 ms a step). `pack` stacks the small tensors that
-share a dtype, device and shape into one, once for all peers; `unpack` gives them back as views
-of it. Values, dtypes, shapes and devices are kept; a received tensor is a fresh one either way.
+m = 32, posting them took 2-4 ms of pp_rank 0's CPU a step; packed, 1-2). `pack` stacks the small
+tensors that share a dtype, device and shape into one, once for all peers; `unpack` gives them
+back as views of the received stack. Values, dtypes, shapes and devices are kept.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def pack(tensors: List[torch.Tensor]) -> Tuple[Spec, List[torch.Tensor]]:
     alone: List[bool] = []
     spec: List[Tuple[int, int]] = []
     for t in tensors:
-        if t.numel() > _PACK_NUMEL or t.layout is not torch.strided or t.is_quantized \
-                or t.is_nested:
+        if t.is_nested or t.layout is not torch.strided or t.is_quantized \
+                or t.numel() > _PACK_NUMEL:
             spec.append((len(members), -1))
             members.append([t])
             alone.append(True)
