@@ -11,7 +11,9 @@ how many times the threads were scheduled in (mostly wakes). From the kernel's
 2026-12-07, p = 8, m = 32, tf = 10 ms (8 processes on 2 cores), pp_rank 0 per 1.3 s step, two
 runs each: with a sender thread per peer (7, each waking every 5 ms while holds came), those
 threads took 76-88 ms of CPU, 307-345 ms waiting for a core and ~2,900 wakes; with one sender
-thread for all peers (sender.py), 36-38 ms, 42-66 ms and 328-338.
+thread for all peers (sender.py), 36-38 ms, 42-66 ms and 328-338. With held messages' deadline
+at 50 ms instead of 5 (transport.py, `HOLD_S`; 2026-12-07 night): 5.3-6.1 ms, 12-18 ms and 86-93
+(p = 8); 2.4-2.7 ms and 22-26 wakes against 5.9 and 133 at p = 4 (`--p 4 --m 8 --tf-ms 20`).
 """
 
 from __future__ import annotations
