@@ -6,6 +6,7 @@ others — all equal to single-process training; and the transport's own counter
 4-stage chain moves each activation and each gradient once, between neighbouring ranks.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -447,6 +448,64 @@ def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
                 {key: n - messages.get(key, 0) for key, n in transport.sent_messages.items()},
                 {peer: n - frames.get(peer, 0) for peer, n in transport.sent_frames.items()}))
     return counts
+
+
+class _Near(nn.Linear):
+    """pp_rank 0's own module, called after a call to pp_rank 1 that it does not read: records
+    how many messages pp_rank 0 still holds for pp_rank 1 when it runs."""
+
+    held: list = []
+
+    def forward(self, x):
+        from smshim.modelparallel.torch.state import state
+
+        _Near.held.append(len(state.model._pipeline.transport._outbox[1].items))
+        return super().forward(x)
+
+
+class Fork(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.before = Block(d)  # (pp_rank 0, before any call to pp_rank 1: finds nothing held)
+        self.far = Block(d)
+        self.near = _Near(d, d)
+
+    def forward(self, x, y):
+        x = self.before(x)
+        far = self.far(x)  # (pp_rank 1: the request is held, to leave with what follows)
+        near = self.near(x)  # (pp_rank 0: does not read `far`)
+        return F.mse_loss(far + near, y)
+
+
+def _fork_held(steps):
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+              "default_partition": 0})
+    torch.manual_seed(0)
+    module = Fork()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.far, 1)
+    train_step = _loss_step()
+    g = torch.Generator().manual_seed(6)
+    for _ in range(steps):
+        train_step(model, torch.randn(8, D, generator=g), torch.randn(8, D, generator=g))
+    if smp.pp_rank() != 0:
+        return None
+    held = list(_Near.held)
+    copy.deepcopy(module.near)(torch.randn(2, D))  # (a copy's hook is inert: no transport)
+    return held, len(module.near._forward_pre_hooks), len(module.before._forward_pre_hooks)
+
+
+def test_a_held_request_leaves_before_pp_rank_0_runs_a_module_of_its_own_beside_it():
+    # pp_rank 0 holds a call to another rank to leave with what follows it (`Transport.send`'s
+    # `hold`); a module of its own that does not read the call's result must not keep it
+    # waiting (it may compute for long), nor must the hold's deadline (local_flush.py). The
+    # first step waits for the call's output shapes: nothing is held then. A module that runs
+    # before any call to another rank (`before`) finds nothing held, and its hook goes.
+    held, near_hooks, before_hooks = run_ranks(_fork_held, 2, 6, timeout=120)[0]
+    assert len(held) == 12 and held[2:] == [0] * 10, held
+    assert near_hooks == 1 and before_hooks == 0
 
 
 def test_a_stages_calls_of_one_microbatch_leave_together():

@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from smshim.modelparallel.torch.pipeline import weight_grad
+from smshim.modelparallel.torch.pipeline import local_flush, weight_grad
 from smshim.modelparallel.torch.pipeline.admission import Admission
 from smshim.modelparallel.torch.pipeline.calls import (
     MERGE_CHAINS_ENV,
@@ -150,6 +150,7 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         # "<module>#ckpt..." units): name -> callable, built on first use by this factory.
         self.function_factory: Optional[Callable[[str], Optional[Callable[..., Any]]]] = None
         self._instance_forward: Dict[int, Callable[..., Any]] = {}
+        self._flush_hooks: list = []  # pp_rank 0: local_flush.py's hooks
         # Per-microbatch bookkeeping, under one condition: requests received and not yet served,
         # forwards among them, graphs kept, and what pp_rank 0 said is over. Its lock is taken
         # as `with self._cond_lock` (Condition's own `with` is a Python call each way, and the
@@ -207,6 +208,11 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
             self._wgrad_thread.start()
         for name, module in self.modules.items():
             self._real_forward.setdefault(name, module.forward)
+        if self.me == 0 and not self._flush_hooks:
+            # (pp_rank 0's step bodies hold their calls: local_flush.py.)
+            self._flush_hooks = local_flush.install(
+                self.modules, lambda name: self.assignment.get(name, 0), self.me,
+                self.transport.flush)
         for name, owner in self.assignment.items():
             module = self.modules.get(name)
             if module is None or name == "":
@@ -221,6 +227,9 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
     def remove_proxies(self) -> None:
         weight_grad.uninstall(self._fused)
         self._fused = []
+        for handle in self._flush_hooks:
+            handle.remove()
+        self._flush_hooks = []
         for module in self._proxies:
             module.__dict__.pop("forward", None)
             previous = self._instance_forward.pop(id(module), None)

@@ -64,14 +64,15 @@ logger = logging.getLogger(__name__)
 # Posted frames the sender thread lets accumulate before it waits for them (see `_reap`).
 _MAX_POSTED = 8
 # The longest a held message waits for the ones after it (see `Transport.send`). A thread that
-# holds a request flushes it before it waits for anything, or the next call to another rank does,
-# so the deadline bounds what nothing flushes: a notice waiting for the next frame to its peer
-# (`send_later`: pp_rank 0's MB_DONE), and a request held while pp_rank 0 computes something that
-# does not read its result before its next call (on a GPU, a kernel launch: short). At 5 ms the
-# sender thread woke every 5 ms all step long (the linger below) and the notices mostly left in
-# frames of their own: sleep stages at p = 4 (`benchmarks/pipeline_threads.py --p 4 --m 8
-# --tf-ms 20`), 133 wakes and 5.9 ms of its CPU a 0.69 s step, pp_rank 0 posting 73 frames; at
-# 50 ms, 26 wakes, 2.7 ms and 57 frames (p = 8, m = 32: 349 wakes and 30 ms against 86 and 6).
+# holds a request flushes it before it waits for anything, and the next call to another rank or
+# to a module of pp_rank 0's own beside another rank's (local_flush.py) does, so the deadline
+# bounds what nothing flushes: a notice waiting for the next frame to its peer (`send_later`:
+# pp_rank 0's MB_DONE), and a request held while glue code outside any module computes without
+# reading its result (on a GPU, kernel launches: short). At 5 ms the sender thread woke every
+# 5 ms all step long (the linger below) and the notices mostly left in frames of their own:
+# sleep stages at p = 4 (`benchmarks/pipeline_threads.py --p 4 --m 8 --tf-ms 20`), 133 wakes
+# and 5.9 ms of its CPU a 0.69 s step, pp_rank 0 posting 73 frames; at 50 ms, 26 wakes, 2.7 ms
+# and 57 frames (p = 8, m = 32: 349 wakes and 30 ms against 86 and 6).
 HOLD_S = 0.05
 # For this long after the last deadline, the sender thread wakes every `hold_s` instead of
 # sleeping until notified (see sender.py).
@@ -336,12 +337,16 @@ class Transport:
             self.check()
         self.check()
 
-    def flush(self) -> None:
-        """Send what this thread held (`send(hold=True)`) now, as one frame per peer."""
+    def flush(self) -> bool:
+        """Send what this thread held (`send(hold=True)`) now, as one frame per peer. Returns
+        whether it held anything."""
         held = self._holding.peers
+        if not held:
+            return False
         while held:
             peer = held.pop()
             self._post(peer, self._outbox[peer])
+        return True
 
     def _post(self, peer: int, box: "Outbox") -> None:
         """Post everything queued for `peer` as one frame (nothing if another thread has taken
