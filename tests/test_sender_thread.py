@@ -38,14 +38,16 @@ class _Rank:
             self.cond.notify_all()
 
     def hold(self, peer, msg) -> float:
-        """Queue `msg` for `peer` as Transport._queue does; when it was queued."""
+        """Queue `msg` for `peer` as Transport._queue does; when the box's hold began (its
+        deadline less HOLD_S: a clock read after `held` returns can be late by as long as this
+        thread waited for a core, and a post on time would look early)."""
         box = self.boxes[peer]
         with box.lock:
             box.items.append((msg, None))
             if box.hold_until is None:
                 box.hold_until = until = time.monotonic() + HOLD_S
                 self.thread.held(until)
-        return time.monotonic()
+            return box.hold_until - HOLD_S
 
     def wait_for(self, items, count):
         with self.cond:
