@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from smshim.modelparallel.torch.pipeline.context import ctx
+from smshim.modelparallel.torch.pipeline.partitioner import ancestors
 
 # Steps a hook watches (pp_rank 0's step bodies calling its module, holding nothing) before it
 # removes itself. (The first step holds nothing anywhere: it waits for its calls' output shapes.)
@@ -64,12 +65,11 @@ def install(modules: Dict[str, nn.Module], owner: Callable[[str], int], me: int,
     """Hook each module of `modules` (named as by `named_modules`) that lives on `me`, has no
     descendant elsewhere, and whose parent has one: pp_rank 0's modules beside another rank's.
     `flush()` sends what the calling thread holds, and says whether there was anything."""
-    elsewhere = {name for name in modules if owner(name) != me}
-    # (A module "has one below" if it or a descendant lives elsewhere.)
+    # The modules that live elsewhere or have a descendant that does, the root among them.
     below = set()
-    for name in elsewhere:
-        parts = name.split(".")
-        below.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    for name in modules:
+        if owner(name) != me:
+            below.update((name, "", *ancestors(name)))
     handles, seen = [], set()
     for name, module in modules.items():
         if not name or name in below or id(module) in seen:

@@ -103,7 +103,7 @@ def manual_assignment(root: nn.Module, pp_size: int, default_partition: int) -> 
     return out
 
 
-def _ancestors(name: str) -> Iterator[str]:
+def ancestors(name: str) -> Iterator[str]:
     """The names of a module's ancestors below the root, nearest first."""
     while "." in name:
         name = name.rpartition(".")[0]
@@ -114,7 +114,7 @@ def nested_call_edges(assignment: Dict[str, int]) -> set:
     """(caller, callee) pp ranks of the calls a module on a rank other than 0 may make from
     inside its forward: to a descendant placed on another rank."""
     return {(caller, callee) for name, callee in assignment.items()
-            for caller in (assignment.get(a, 0) for a in _ancestors(name))
+            for caller in (assignment.get(a, 0) for a in ancestors(name))
             if caller not in (0, callee)}
 
 
@@ -128,7 +128,7 @@ def _check_nesting(assignment: Dict[str, int], auto: bool = False) -> None:
     for inner0, rank in assignment.items():
         if rank != 0 or not inner0:
             continue
-        outer = next((a for a in _ancestors(inner0) if assignment.get(a, 0) != 0), None)
+        outer = next((a for a in ancestors(inner0) if assignment.get(a, 0) != 0), None)
         if outer is None:
             continue
         deeper = next((n for n, r in assignment.items()
