@@ -96,6 +96,21 @@ def test_split_positional_and_keyword_tensors():
     assert splits[1][0][1].data_ptr() == x[2:].data_ptr()
 
 
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_split_pieces_take_an_in_place_op_with_grad(axis):
+    # A step function may add a parameter to its input in place; a piece from split() or
+    # chunk() (views of a multi-output op) would refuse it, a slice or narrow() view does not.
+    def step(x):
+        return x
+
+    w = torch.ones(1, requires_grad=True)
+    x = torch.zeros(4, 4)
+    args, _ = split_step_inputs(step, (x,), {}, 2, input_split_axes={"x": axis})[0]
+    args[0].add_(w)
+    args[0].sum().backward()
+    assert w.grad.item() == 8.0
+
+
 def test_split_recurses_and_preserves_container_types():
     def step(batch):
         return batch

@@ -209,6 +209,11 @@ def _split_tensor(tensor: torch.Tensor, num_mb: int, axis: int, path: str) -> Li
     if num_mb == 1:
         return [tensor]  # the whole tensor: a full-size narrow() view would only cost time
     k = size // num_mb
+    # A view per microbatch. Along axis 0 a slice, 0.6 of narrow()'s time (the step's head splits
+    # every input before any microbatch starts); not split(), one op for all, whose views refuse
+    # an in-place op with grad enabled (`x.add_(param)` in a step function).
+    if axis % tensor.dim() == 0:
+        return [tensor[mb * k:(mb + 1) * k] for mb in range(num_mb)]
     return [tensor.narrow(axis, mb * k, k) for mb in range(num_mb)]
 
 
