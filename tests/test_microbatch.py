@@ -92,7 +92,7 @@ def test_split_positional_and_keyword_tensors():
         assert args[0] == "model"  # non-tensors pass unchanged
         assert torch.equal(args[1], x[2 * mb:2 * mb + 2])
         assert torch.equal(kwargs["y"], y[2 * mb:2 * mb + 2])
-    # Pieces are views: narrow, not copies.
+    # Pieces are views, not copies.
     assert splits[1][0][1].data_ptr() == x[2:].data_ptr()
 
 
