@@ -452,14 +452,21 @@ def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
 
 class _Near(nn.Linear):
     """pp_rank 0's own module, called after a call to pp_rank 1 that it does not read: records
-    how many messages pp_rank 0 still holds for pp_rank 1 when it runs."""
+    how many of its microbatch's requests wait in pp_rank 0's outbox for pp_rank 1 when it runs
+    (not how many messages: the other microbatch's body may have queued its microbatch-done
+    notice there, which waits for the next frame)."""
 
     held: list = []
 
     def forward(self, x):
+        from smshim.modelparallel.torch.pipeline.context import ctx
         from smshim.modelparallel.torch.state import state
 
-        _Near.held.append(len(state.model._pipeline.transport._outbox[1].items))
+        box = state.model._pipeline.transport._outbox[1]
+        with box.lock:
+            requests = [m for m, _ in box.items
+                        if m.kind == "fwd_req" and m.microbatch == ctx.microbatch]
+        _Near.held.append(len(requests))
         return super().forward(x)
 
 
