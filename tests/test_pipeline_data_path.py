@@ -450,6 +450,63 @@ def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
     return counts
 
 
+
+class _SlowFirst(nn.Module):
+    """pp_rank 0's stage, whose backward takes longer than a held message's deadline
+    (`Transport.hold_s`), then a block and the loss on pp_rank 1."""
+
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.first = nn.Linear(d, d)
+        self.block = Block(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        from smshim.modelparallel.torch.pipeline.transport import HOLD_S
+
+        h = slow_backward(self.first(x), 1.5 * HOLD_S)
+        return F.cross_entropy(self.head(self.block(h)), y)
+
+
+def _drain_frames(m, steps):
+    import smdistributed.modelparallel.torch as smp
+
+    from smshim.modelparallel.torch.pipeline import transport as transport_module
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "auto_partition": False,
+              "default_partition": 0, "pipeline": "interleaved"})
+    torch.manual_seed(0)
+    module = _SlowFirst()
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.block, 1)
+    smp.set_partition(module.head, 1)
+    train_step = _loss_step()
+    frames = []  # each frame pp_rank 0 posts: its messages' kinds
+    real = transport_module.Transport._post_frame
+
+    def post_frame(self, peer, msgs):
+        frames.append(tuple(msg.kind for msg in msgs))
+        return real(self, peer, msgs)
+
+    transport_module.Transport._post_frame = post_frame
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        train_step(model, torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g))
+    return frames
+
+
+def test_the_drains_microbatch_done_notices_leave_with_the_steps_end():
+    # Once every microbatch's forward is over, no request comes that a notice could let the
+    # peer admit: the notices of the microbatches that finish then (under 1F1B at p = 2, m = 4,
+    # microbatches 2 and 3: stage 0 runs F3 before B2) wait for the step's end, which posts a
+    # frame to every peer, instead of leaving alone at their deadline, here passed during
+    # pp_rank 0's last backward. (Microbatch 0's notice may leave alone: its deadline can pass
+    # while microbatch 1's backward holds stage 0 before the next request goes.)
+    frames = run_ranks(_drain_frames, 2, 4, 3, timeout=120)[0]
+    ends = [f for f in frames if "step_end" in f]
+    assert len(ends) == 3 and all(f.count("mb_done") == 2 for f in ends), frames
+    assert sum(f.count("mb_done") for f in frames) == 4 * 3, frames
+
 class _Near(nn.Linear):
     """pp_rank 0's own module, called after a call to pp_rank 1 that it does not read: records
     how many of its microbatch's requests wait in pp_rank 0's outbox for pp_rank 1 when it runs

@@ -67,12 +67,13 @@ _MAX_POSTED = 8
 # holds a request flushes it before it waits for anything, and the next call to another rank or
 # to a module of pp_rank 0's own beside another rank's (local_flush.py) does, so the deadline
 # bounds what nothing flushes: a notice waiting for the next frame to its peer (`send_later`:
-# pp_rank 0's MB_DONE), and a request held while glue code outside any module computes without
-# reading its result (on a GPU, kernel launches: short). At 5 ms the sender thread woke every
-# 5 ms all step long (the linger below) and the notices mostly left in frames of their own:
-# sleep stages at p = 4 (`benchmarks/pipeline_threads.py --p 4 --m 8 --tf-ms 20`), 133 wakes
-# and 5.9 ms of its CPU a 0.69 s step, pp_rank 0 posting 73 frames; at 50 ms, 26 wakes, 2.7 ms
-# and 57 frames (p = 8, m = 32: 349 wakes and 30 ms against 86 and 6).
+# pp_rank 0's MB_DONE, but in a step's drain, step_end.py), and a request held while glue code
+# outside any module computes without reading its result (on a GPU, kernel launches: short).
+# At 5 ms the sender thread woke every 5 ms all step long (the linger below) and the notices
+# mostly left in frames of their own: sleep stages at p = 4 (`benchmarks/pipeline_threads.py
+# --p 4 --m 8 --tf-ms 20`), 133 wakes and 5.9 ms of its CPU a 0.69 s step, pp_rank 0 posting 73
+# frames; at 50 ms, 26 wakes, 2.7 ms and 57 frames (p = 8, m = 32: 349 wakes and 30 ms against
+# 86 and 6).
 HOLD_S = 0.05
 # For this long after the last deadline, the sender thread wakes every `hold_s` instead of
 # sleeping until notified (see sender.py).
@@ -288,19 +289,21 @@ class Transport:
         if peer not in held:
             held.append(peer)
 
-    def send_later(self, peer: int, msg: Message) -> None:
+    def send_later(self, peer: int, msg: Message, deadline: bool = True) -> None:
         """Queue `msg` to leave with the next frame posted to `peer`, by whichever thread, or
-        at the latest `hold_s` from now; unlike `send(hold=True)`, the calling thread's `flush`
-        does not post it (pp_rank 0's last MB_DONE leaves with the step's end)."""
+        at the latest `hold_s` from now (without `deadline`, with the next frame however late:
+        `close_session` posts one to every peer); unlike `send(hold=True)`, the calling
+        thread's `flush` does not post it (pp_rank 0's last MB_DONE leaves with the step's
+        end)."""
         self.check()
-        self._queue(peer, msg)
+        self._queue(peer, msg, deadline)
 
-    def _queue(self, peer: int, msg: Message) -> None:
+    def _queue(self, peer: int, msg: Message, deadline: bool = True) -> None:
         """`send_later` without its check (the caller has made it)."""
         box = self._outbox[peer]
         with box.lock:
             box.items.append((msg, None))
-            if box.hold_until is None:
+            if deadline and box.hold_until is None:
                 box.hold_until = until = time.monotonic() + self.hold_s
                 self._sender.held(until)
 
