@@ -450,7 +450,6 @@ def _loop_frames(m, steps, cls=Loop, pipeline="interleaved"):
     return counts
 
 
-
 class _SlowFirst(nn.Module):
     """pp_rank 0's stage, whose backward takes longer than a held message's deadline
     (`Transport.hold_s`), then a block and the loss on pp_rank 1."""
@@ -504,6 +503,7 @@ def test_the_drains_microbatch_done_notices_leave_with_the_steps_end():
     frames = run_ranks(_drain_frames, 2, 4, 3, timeout=120)[0]
     assert not [f for f in frames if set(f) == {"mb_done"}], frames
     assert sum(f.count("mb_done") for f in frames) == 4 * 3, frames
+
 
 class _Near(nn.Linear):
     """pp_rank 0's own module, called after a call to pp_rank 1 that it does not read: records
