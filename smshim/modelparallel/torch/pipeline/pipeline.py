@@ -212,7 +212,9 @@ class Pipeline:
                 with torch.set_grad_enabled(grad_enabled), autocast_state.applied(amp):
                     out = fn(*args, **kwargs)
                 self._mark_forward_done(mb)
-                results[mb] = self.server.finish_microbatch(mb, out)  # values, everywhere
+                # (values, everywhere; in the step's drain once every forward is over)
+                results[mb] = self.server.finish_microbatch(
+                    mb, out, drain=self._forwards_done >= schedule.microbatches)
             except BaseException as e:  # noqa: BLE001
                 errors.append((mb, e))
                 self.transport.fail(PipelineError(

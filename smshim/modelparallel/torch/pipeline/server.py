@@ -179,7 +179,6 @@ class ModuleServer(CallerSide, OwnerSide, Admission, StepEnd):
         self.turns = Turns(timeout_s, lambda: self.transport.check())
         self._expected_microbatches = 0
         self._forward_microbatches: set = set()
-        self._forwards_over = 0  # pp_rank 0: microbatches whose forward code is over
         self._backwards_running = 0
         self._tickets = itertools.count()
         self._turn = 0

@@ -37,7 +37,6 @@ class StepEnd:
         self.weight_grads.active = True
         self._expected_microbatches = microbatches
         self._forward_microbatches = set()
-        self._forwards_over = 0
         self.lock.clear_places()  # (none are left but after a failed step)
         with self._cond_lock:
             for s in (self._fwd_done, self._mb_done, self._admitted, self._live, self._visited,
@@ -123,7 +122,7 @@ class StepEnd:
         self._step = -1  # handles kept past the step now say so instead of waiting
 
 
-    def finish_microbatch(self, mb: int, out: Any) -> Any:
+    def finish_microbatch(self, mb: int, out: Any, drain: bool = False) -> Any:
         """pp_rank 0: microbatch `mb`'s body returned `out`; returns it with every handle
         replaced by its value (every rank gets the step's results), and tells the peers that the
         microbatch is over, so its values can go, there and here. The fetches and the notice
@@ -131,14 +130,13 @@ class StepEnd:
         drops nothing that a request still running there will make. A notice that need not go
         with a fetch leaves with the next frame to its peer (the next microbatch's requests, or
         the step's end), or `Transport.hold_s` later: it only lets the peer free memory, and a
-        frame of its own cost both ranks' CPU once per microbatch. Once every microbatch's
-        forward is over (the step's drain), the notice has no deadline: no forward request comes
-        that it could let a peer admit, and what it frees there goes at the step's end anyway
-        (at p = 4, m = 8, 9 frames a step that pp_rank 0's sender thread posted alone)."""
+        frame of its own cost both ranks' CPU once per microbatch. In the step's `drain` (every
+        microbatch's forward is over: the pipeline counts them) the notice has no deadline: no
+        forward request comes that it could let a peer admit, and what it frees there goes at
+        the step's end anyway (at p = 4, m = 8, 9 frames a step that pp_rank 0's sender thread
+        posted alone)."""
         template, tensors = flatten(out)
         handles = [t for t in tensors if isinstance(t, RemoteTensor)]
-        with self._cond_lock:
-            drain = self._forwards_over >= self._expected_microbatches
         with self.transport.together():
             for t in handles:
                 self._ask(t._cell, hold=True)
@@ -173,7 +171,6 @@ class StepEnd:
             chain.inputs = None  # (see `_Chain`: no call links to it now)
         with self._cond_lock:
             visited = self._visited.pop(mb, set())
-            self._forwards_over += 1
         for peer in self.transport.peers:
             if peer not in visited:
                 self.transport.send(peer, Message(FWD_DONE, ctx.step, mb))
