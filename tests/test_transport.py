@@ -453,3 +453,33 @@ def test_a_failure_notice_reaches_a_peer_whose_global_rank_is_not_its_pp_rank():
     _, _, error = run_ranks(_failure_notice, 3, timeout=120)
     assert error is not None and "stage 0 broke" in error, error
     assert "pp rank 0 (global rank 1) failed" in error, error
+
+
+def test_a_request_is_extended_past_notices_queued_after_it():
+    # A chain's next call follows on in its predecessor's request while it is queued (calls.py,
+    # `_follow_on`); another microbatch's done notice queued after the request meanwhile must
+    # not split the chain into two requests (it depends on nothing), a waited-for one may.
+    from types import SimpleNamespace
+
+    from smshim.modelparallel.torch.pipeline.messages import FWD_REQ, MB_DONE, Message
+    from smshim.modelparallel.torch.pipeline.outbox import Outbox
+    from smshim.modelparallel.torch.pipeline.transport import Transport
+
+    box = Outbox()
+    transport = SimpleNamespace(_outbox={1: box})  # (all that extend_last reads)
+    request, notice = Message(FWD_REQ, 0, 0), Message(MB_DONE, 0, 1)
+    box.items += [(request, None), (notice, None)]
+    seen = []
+
+    def extend(msg):  # (as `_follow_on`: only a request takes a follow-on)
+        seen.append(msg)
+        return msg.kind == FWD_REQ
+
+    assert not Transport.extend_last(transport, 1, extend)  # the notice is last
+    seen.clear()
+    assert Transport.extend_last(transport, 1, extend, past=(MB_DONE,)) and seen == [request]
+    box.items[1] = (notice, threading.Event())  # (one waited for is not passed over)
+    assert not Transport.extend_last(transport, 1, extend, past=(MB_DONE,))
+    box.items[:] = [(notice, None)]
+    assert not Transport.extend_last(transport, 1, extend, past=(MB_DONE,))  # no request
+    assert seen == [request]

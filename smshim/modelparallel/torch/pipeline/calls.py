@@ -21,7 +21,7 @@ from smshim.modelparallel.torch.errors import (
 from smshim.modelparallel.torch.pipeline.context import ctx
 from smshim.modelparallel.torch.pipeline.remote_tensor import RemoteTensor, _Cell, _used
 from smshim.modelparallel.torch.pipeline.structure import _Slot, dumps_template, fill, flatten_call
-from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
+from smshim.modelparallel.torch.pipeline.messages import (BWD_REQ, FETCH, FWD_REQ, MB_DONE, PREFETCH, SEND_TO, VALUE, Message, PipelineError)
 from smshim.modelparallel.torch.precision import autocast_state
 
 logger = logging.getLogger(__name__)
@@ -402,10 +402,11 @@ class CallerSide:
         try:
             # A chain's later call whose predecessor's request is still held: it travels in
             # that request (`_follow_on`), served with it as one.
+            # (Past another microbatch's done notice queued meanwhile: it depends on nothing.)
             if below is None or reply is not None or not self.transport.extend_last(
                     call.owner, lambda msg: _follow_on(msg, below, (
                         call_id, call.module, template_bytes, enc, call.requires, grad_enabled,
-                        expect, amp, below), inline)):
+                        expect, amp, below), inline), past=(MB_DONE,)):
                 self.transport.send(call.owner, Message(
                     FWD_REQ, call.step, call.microbatch, call_id, call.module,
                     meta=(template_bytes, enc, call.requires, grad_enabled, reply, expect, amp,

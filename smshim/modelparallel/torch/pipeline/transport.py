@@ -307,15 +307,21 @@ class Transport:
                 box.hold_until = until = time.monotonic() + self.hold_s
                 self._sender.held(until)
 
-    def extend_last(self, peer: int, extend: Callable[[Message], bool]) -> bool:
+    def extend_last(self, peer: int, extend: Callable[[Message], bool],
+                    past: Tuple[str, ...] = ()) -> bool:
         """`extend(msg)` on the last message queued for `peer` if it has not left yet, under
         the lock that posting takes: it may add to the message (returning True) knowing that
-        nothing was queued after it and that it leaves as extended. False if there is none."""
+        nothing was queued after it but messages of the kinds `past`, and that it leaves as
+        extended. False if there is none."""
         box = self._outbox[peer]
         with box.lock:
-            if not box.items or box.items[-1][1] is not None:  # (none, or one waited for)
+            items = box.items
+            i = len(items) - 1
+            while i >= 0 and items[i][0].kind in past and items[i][1] is None:
+                i -= 1
+            if i < 0 or items[i][1] is not None:  # (none, or one waited for)
                 return False
-            return extend(box.items[-1][0])
+            return extend(items[i][0])
 
     def together(self) -> ContextManager[None]:
         """What this thread holds inside leaves at the end, one frame per peer (the calls
